@@ -1,0 +1,115 @@
+"""Prefill attention over variable-length packed sequences, tiled with an online softmax.
+
+# Legend: Tq / Tk packed query / key tokens, B sequences, Hq query heads, Hkv kv heads,
+# G = Hq // Hkv query heads per kv head, D qk head dim, Dv v head dim (may differ: MLA 192 / 128),
+# tq / tk query / key tile sizes.
+
+Flash-attention style: for each sequence and each query tile we stream key tiles, keeping a
+running max m, running sum l and an unnormalized accumulator; the full L x L score matrix is
+never formed, so extra memory is O(Hq * tq * (tk + Dv)) whatever the sequence length. GQA/MQA
+is handled by viewing the G query heads of a kv head as extra query rows of that head, so K/V
+are never repeated. Tiles are upcast to float32 (the accumulation precision of flash kernels).
+Causal masks are bottom-right aligned: with Lq queries over Lk keys, query i sits at key
+position Lk - Lq + i (the usual convention for chunked prefill over a cached prefix).
+"""
+
+import torch
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    cu_seqlens_k: torch.Tensor | None = None,
+    q_tile: int = 64,
+    k_tile: int = 64,
+) -> torch.Tensor:
+    """Attention of q [Tq, Hq, D] over k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> out [Tq, Hq, Dv] (q.dtype).
+
+    cu_seqlens [B + 1] int: offsets of each sequence's queries in the packed Tq (and of its keys when
+    cu_seqlens_k is None, i.e. plain prefill). cu_seqlens_k [B + 1]: key offsets when they differ.
+    Hq must be a multiple of Hkv; query head h reads kv head h // G (repeat_interleave order).
+    """
+    tq_total, hq, d = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    assert hq % hkv == 0, "query heads must be a multiple of kv heads"
+    g = hq // hkv
+    out = q.new_empty(tq_total, hq, dv)  # [Tq, Hq, Dv]
+    qb = cu_seqlens.tolist()
+    kb = qb if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    for b in range(len(qb) - 1):
+        q0, lq = qb[b], qb[b + 1] - qb[b]
+        k0, lk = kb[b], kb[b + 1] - kb[b]
+        if lq == 0:
+            continue
+        if lk == 0 or (causal and lk < lq):
+            raise ValueError(f"sequence {b}: {lq} queries over {lk} keys")
+        shift = lk - lq  # key position of query 0
+        for qs in range(0, lq, q_tile):
+            qe = min(qs + q_tile, lq)
+            _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile)
+    return out
+
+
+def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile) -> None:
+    tq, hkv, d, dv = qe - qs, k.shape[1], q.shape[2], v.shape[2]
+    # [tq, Hkv*G, D] -> [Hkv, G*tq, D]; row r = gi * tq + i is query qs + i of head kv*G + gi
+    qt = q[q0 + qs : q0 + qe].float().view(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tq, d)
+    m = torch.full((hkv, g * tq, 1), float("-inf"))  # running max
+    l = torch.zeros(hkv, g * tq, 1)  # running sum
+    acc = torch.zeros(hkv, g * tq, dv)  # unnormalized output
+    qpos = (torch.arange(qs, qe) + shift).repeat(g)  # [G*tq] key position of each row
+    k_end = min(qe + shift, lk) if causal else lk
+    for ks in range(0, k_end, k_tile):
+        ke = min(ks + k_tile, k_end)
+        kt = k[k0 + ks : k0 + ke].float().permute(1, 2, 0)  # [Hkv, D, tk]
+        vt = v[k0 + ks : k0 + ke].float().permute(1, 0, 2)  # [Hkv, tk, Dv]
+        s = torch.matmul(qt, kt) * scale  # [Hkv, G*tq, tk]
+        if causal and ke - 1 > qs + shift:  # tile crosses the diagonal
+            kpos = torch.arange(ks, ke)
+            s.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
+        # every row sees key 0 in the first tile, so m is finite from then on
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        p = torch.exp(s - m_new)  # [Hkv, G*tq, tk]
+        alpha = torch.exp(m - m_new)  # rescales what was accumulated under the old max
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, vt)
+        m = m_new
+    o = (acc / l).view(hkv, g, tq, dv).permute(2, 0, 1, 3).reshape(tq, hkv * g, dv)  # [tq, Hq, Dv]
+    out[q0 + qs : q0 + qe] = o.to(out.dtype)
+
+
+def varlen_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    cu_seqlens_k: torch.Tensor | None = None,
+    q_tile: int = 64,
+    k_tile: int = 64,
+) -> torch.Tensor:
+    """Reference twin: per sequence, repeat_interleave K/V to Hq heads and take a full softmax
+    (in the inputs' dtype, like transformers' eager attention: softmax in float32 then cast)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    out = q.new_zeros(q.shape[0], hq, v.shape[2])
+    qb = cu_seqlens.tolist()
+    kb = qb if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    for b in range(len(qb) - 1):
+        qi = q[qb[b] : qb[b + 1]].transpose(0, 1)  # [Hq, Lq, D]
+        ki = k[kb[b] : kb[b + 1]].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, Lk, D]
+        vi = v[kb[b] : kb[b + 1]].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, Lk, Dv]
+        lq, lk = qi.shape[1], ki.shape[1]
+        if lq == 0:
+            continue
+        scores = torch.matmul(qi, ki.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
+        if causal:
+            allowed = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[qb[b] : qb[b + 1]] = torch.matmul(probs, vi).transpose(0, 1)
+    return out

@@ -1,0 +1,147 @@
+"""MoE routers: which K experts each token uses and with what weight, as transformers computes them.
+
+# Legend: T tokens, H hidden size, E experts, K top-k, NG expert groups, EG = E // NG experts per group.
+
+All routers take router logits [T, E] and return (weights [T, K] float32, ids [T, K] int64).
+Where transformers computes the logits (`router_logits` below reproduces both):
+  Mixtral, Qwen2-MoE, Qwen3-MoE: F.linear(x, W) in the model dtype; softmax in float32.
+    (Qwen2/3-MoE then cast the weights back to the logits' dtype; we return float32.)
+  DeepSeek-V2, DeepSeek-V3 / Kimi-K2: F.linear(x.float(), W.float()), everything in float32.
+Id order within a row follows torch.topk exactly as the transformers router calls it (sorted for
+softmax top-k, sorted=False for the DeepSeek routers), so outputs compare equal elementwise.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, float32: bool) -> torch.Tensor:
+    """x [T, H], gate weight [E, H] -> logits [T, E]; float32=True for the DeepSeek routers."""
+    if float32:
+        return F.linear(x.float(), weight.float())
+    return F.linear(x, weight)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over E (float32), top-k, optional renormalization over the K chosen.
+    Mixtral: renormalize=True. Qwen2-MoE / Qwen3-MoE: renormalize=config.norm_topk_prob."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    # group_scores [T, NG] -> bool [T, E], True for experts in the topk_group best groups
+    t, ng = group_scores.shape
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)  # [T, NG]
+    return mask.unsqueeze(-1).expand(t, ng, num_experts // ng).reshape(t, num_experts).bool()
+
+
+def deepseek_v2_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 softmax routing. method "greedy": plain top-k of the softmax; "group_limited_greedy":
+    group score = max softmax score in the group, keep the topk_group best groups (other experts'
+    scores set to 0), then top-k. Weights are not renormalized, then times routed_scaling_factor."""
+    t, e = logits.shape
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    if method == "group_limited_greedy":
+        group_scores = scores.view(t, n_group, e // n_group).max(dim=-1).values  # [T, NG]
+        scores = scores.masked_fill(~_group_mask(group_scores, topk_group, e), 0.0)
+    elif method != "greedy":
+        raise ValueError(f"unknown DeepSeek-V2 topk_method {method!r}; expected greedy or group_limited_greedy")
+    weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    return weights * routed_scaling_factor, ids
+
+
+def sigmoid_grouped_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    e_score_correction_bias: torch.Tensor,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / Kimi-K2 routing: s = sigmoid(logits); choice = s + bias [E] (selection only);
+    group score = sum of the top-2 choice scores in each group; keep the topk_group best groups;
+    top-k of choice among them; weights = s at those ids, divided by (their sum + 1e-20) when
+    norm_topk_prob, times routed_scaling_factor."""
+    t, e = logits.shape
+    scores = logits.float().sigmoid()  # [T, E]
+    choice = scores + e_score_correction_bias.float()  # [T, E]
+    group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, NG]
+    choice = choice.masked_fill(~_group_mask(group_scores, topk_group, e), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, K]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+# ---- reference twins: one token at a time, plain Python selection; ids in descending score order
+
+
+def _top(values: list[float], k: int, among: list[int]) -> list[int]:
+    return sorted(among, key=lambda i: -values[i])[:k]
+
+
+def softmax_topk_ref(logits, top_k, renormalize):
+    """Reference twin of softmax_topk."""
+    ws, ids = [], []
+    for row in logits.float():
+        p = (row - row.max()).exp()
+        p = p / p.sum()
+        chosen = _top(p.tolist(), top_k, list(range(len(p))))
+        w = p[chosen]
+        ws.append(w / w.sum() if renormalize else w)
+        ids.append(torch.tensor(chosen))
+    return torch.stack(ws), torch.stack(ids)
+
+
+def deepseek_v2_topk_ref(logits, top_k, method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0):
+    """Reference twin of deepseek_v2_topk."""
+    e = logits.shape[1]
+    eg = e // n_group
+    ws, ids = [], []
+    for row in logits.float():
+        p = torch.softmax(row, dim=-1)
+        vals = p.tolist()
+        among = list(range(e))
+        if method == "group_limited_greedy":
+            gs = [max(vals[g * eg : (g + 1) * eg]) for g in range(n_group)]
+            groups = _top(gs, topk_group, list(range(n_group)))
+            vals = [v if i // eg in groups else 0.0 for i, v in enumerate(vals)]
+        chosen = _top(vals, top_k, among)
+        ws.append(torch.tensor([vals[i] for i in chosen]) * routed_scaling_factor)
+        ids.append(torch.tensor(chosen))
+    return torch.stack(ws), torch.stack(ids)
+
+
+def sigmoid_grouped_topk_ref(
+    logits, top_k, e_score_correction_bias, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0
+):
+    """Reference twin of sigmoid_grouped_topk."""
+    e = logits.shape[1]
+    eg = e // n_group
+    ws, ids = [], []
+    for row in logits.float():
+        s = torch.sigmoid(row)
+        choice = (s + e_score_correction_bias.float()).tolist()
+        gs = [sum(sorted(choice[g * eg : (g + 1) * eg], reverse=True)[:2]) for g in range(n_group)]
+        groups = _top(gs, topk_group, list(range(n_group)))
+        chosen = _top(choice, top_k, [i for i in range(e) if i // eg in groups])
+        w = s[chosen]
+        if norm_topk_prob:
+            w = w / (w.sum() + 1e-20)
+        ws.append(w * routed_scaling_factor)
+        ids.append(torch.tensor(chosen))
+    return torch.stack(ws), torch.stack(ids)

@@ -1,0 +1,48 @@
+"""RMSNorm and fused residual-add + RMSNorm, numerically identical to transformers' LlamaRMSNorm.
+
+# Legend: T tokens ("..." any leading dims), H hidden size.
+
+transformers computes: h = x.float(); h = h * rsqrt(mean(h^2) + eps); return weight * h.to(x.dtype).
+The output dtype is therefore promote(weight.dtype, x.dtype), exactly as in transformers.
+"""
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm of x [..., H] with weight [H]; statistics in float32, cast back before the weight."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)  # [..., H]
+    variance = h.pow(2).mean(-1, keepdim=True)  # [..., 1]
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_residual = residual + x (in the input dtype, as the decoder layer does); returns
+    (rms_norm(new_residual), new_residual), both [..., H]."""
+    new_residual = residual + x
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Reference twin: one row at a time."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = []
+    for row in flat:
+        r = row.float()
+        r = r / torch.sqrt((r * r).mean() + eps)
+        rows.append(weight * r.to(x.dtype))
+    if not rows:
+        return (weight * x).reshape(x.shape)
+    return torch.stack(rows).reshape(*x.shape[:-1], -1)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference twin of fused_add_rms_norm."""
+    new_residual = residual + x
+    return rms_norm_ref(new_residual, weight, eps), new_residual

@@ -1,0 +1,170 @@
+"""Decode attention over a paged KV cache, and the cache write by slot mapping.
+
+# Legend: B sequences (one query token each), Hq query heads, Hkv kv heads, G = Hq // Hkv,
+# D qk head dim, Dv v head dim, NB cache blocks, BS tokens per block, MAXB block-table width,
+# T tokens being written, c blocks per step, n = c * BS keys per step.
+
+The cache is k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv]; token j of sequence b lives at
+block block_tables[b, j // BS], offset j % BS, i.e. at slot block * BS + offset. An int8 cache
+carries k_scale / v_scale [NB, BS, Hkv] float32 (one scale per token and head, see kv_quant.py).
+
+The kernel is vectorized over the batch: it walks the block tables c blocks at a time (a Python
+loop over block chunks, never over tokens), gathers those blocks for every sequence at once,
+masks positions >= seq_len, and merges chunks with an online softmax (split-K / flash-decoding
+style), so the gathered K/V never exceed B * n * Hkv * (D + Dv) elements.
+"""
+
+import torch
+
+from .kv_quant import quantize_int8
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    blocks_per_step: int = 16,
+) -> torch.Tensor:
+    """One decode step: q [B, Hq, D] over the paged cache -> out [B, Hq, Dv] (q.dtype).
+
+    block_tables [B, MAXB] int (entries past a sequence's last block are ignored, may be -1);
+    seq_lens [B] int, ragged, each <= MAXB * BS (a sequence of length 0 yields zeros).
+    k_scale / v_scale [NB, BS, Hkv]: give them when the cache is int8 (dequantized per chunk).
+    """
+    b, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    dv = v_cache.shape[-1]
+    g = hq // hkv
+    seq_lens = seq_lens.to(torch.long)
+    max_len = int(seq_lens.max()) if b > 0 else 0
+    num_blocks = (max_len + bs - 1) // bs
+    qg = q.float().view(b, hkv, g, d)  # [B, Hkv, G, D]
+    m = torch.full((b, hkv, g, 1), float("-inf"))
+    l = torch.zeros(b, hkv, g, 1)
+    acc = torch.zeros(b, hkv, g, dv)
+    for c0 in range(0, num_blocks, blocks_per_step):
+        c1 = min(c0 + blocks_per_step, num_blocks)
+        n = (c1 - c0) * bs
+        blocks = block_tables[:, c0:c1].to(torch.long).clamp(min=0)  # [B, c]
+        kc = _gather(k_cache, k_scale, blocks, n)  # [B, n, Hkv, D] float32
+        vc = _gather(v_cache, v_scale, blocks, n)  # [B, n, Hkv, Dv] float32
+        s = torch.matmul(qg, kc.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, n]
+        pos = torch.arange(c0 * bs, c1 * bs)
+        masked = pos[None, :] >= seq_lens[:, None]  # [B, n]
+        s.masked_fill_(masked[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
+        p = torch.exp(s - m_safe)  # [B, Hkv, G, n]
+        alpha = torch.exp(m - m_safe)
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, vc.permute(0, 2, 1, 3))  # [B, Hkv, G, Dv]
+        m = m_new
+    out = torch.where(l > 0, acc / l.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(acc))
+    return out.view(b, hq, dv).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    b = blocks.shape[0]
+    x = cache[blocks].float().reshape(b, n, cache.shape[2], cache.shape[3])  # [B, n, Hkv, D]
+    if scale is not None:
+        x = x * scale[blocks].float().reshape(b, n, cache.shape[2], 1)
+    return x
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write k [T, Hkv, D], v [T, Hkv, Dv] into the caches in place at slot_mapping [T] int
+    (slot = block * BS + offset; negative slots, e.g. padding, are skipped). When a cache is int8
+    the rows are quantized per token and head and the scales written to k_scale / v_scale."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].to(torch.long)  # [T']
+    _write(k[keep], k_cache, k_scale, slots)
+    _write(v[keep], v_cache, v_scale, slots)
+
+
+def _write(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> None:
+    nb, bs, h, d = cache.shape
+    flat = cache.view(nb * bs, h, d)  # a view: writes land in the cache
+    if cache.dtype == torch.int8:
+        if scale is None:
+            raise ValueError("an int8 cache needs its scale tensor [NB, BS, Hkv]")
+        xq, xs = quantize_int8(x)
+        flat.index_copy_(0, slots, xq)
+        scale.view(nb * bs, h).index_copy_(0, slots, xs.to(scale.dtype))
+    else:
+        flat.index_copy_(0, slots, x.to(cache.dtype))
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    blocks_per_step: int = 16,
+) -> torch.Tensor:
+    """Reference twin: per sequence, gather contiguous K/V token by token, plain softmax."""
+    b, hq, _ = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = q.new_zeros(b, hq, v_cache.shape[-1])
+    for i in range(b):
+        n = int(seq_lens[i])
+        if n == 0:
+            continue
+        ks, vs = [], []
+        for j in range(n):
+            blk, off = int(block_tables[i, j // bs]), j % bs
+            kj, vj = k_cache[blk, off], v_cache[blk, off]  # [Hkv, D], [Hkv, Dv]
+            if k_scale is not None:
+                kj = (kj.float() * k_scale[blk, off, :, None]).to(q.dtype)
+            if v_scale is not None:
+                vj = (vj.float() * v_scale[blk, off, :, None]).to(q.dtype)
+            ks.append(kj.to(q.dtype))
+            vs.append(vj.to(q.dtype))
+        kk = torch.stack(ks).repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, n, D]
+        vv = torch.stack(vs).repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, n, Dv]
+        scores = torch.matmul(q[i].unsqueeze(1), kk.transpose(1, 2)) * scale  # [Hq, 1, n]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[i] = torch.matmul(probs, vv).squeeze(1)
+    return out
+
+
+def write_kv_cache_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Reference twin: one token at a time."""
+    bs = k_cache.shape[1]
+    for t in range(k.shape[0]):
+        slot = int(slot_mapping[t])
+        if slot < 0:
+            continue
+        blk, off = slot // bs, slot % bs
+        for x, cache, sc in ((k[t], k_cache, k_scale), (v[t], v_cache, v_scale)):
+            if cache.dtype == torch.int8:
+                amax = x.float().abs().amax(dim=-1)  # [Hkv]
+                s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+                cache[blk, off] = torch.round(x.float() / s[:, None]).clamp(-127, 127).to(torch.int8)
+                sc[blk, off] = s
+            else:
+                cache[blk, off] = x.to(cache.dtype)
