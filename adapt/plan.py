@@ -1,0 +1,351 @@
+"""ParallelPlan: tensor / pipeline / expert / data parallel degrees plus the explicit rank map.
+
+Rank order (tp fastest, then dp, then pp, so that a pipeline stage's tp x dp ranks are contiguous and
+sit on as few nodes as possible)::
+
+    rank = (pp_idx * dp + dp_idx) * tp + tp_idx
+
+Expert parallelism spans the tp x dp ranks of a stage. With ``s = dp_idx * tp + tp_idx`` the stage-local
+index, a rank's expert-parallel index is ``ep_idx = s % ep`` and it owns routed experts
+``[ep_idx * E/ep, (ep_idx + 1) * E/ep)``. The ``m = tp*dp/ep`` ranks that share an ep_idx split each
+of those experts further along its tp_dim by ``j = s // ep`` (m = 1: whole experts; ep = 1: classic
+tensor-parallel MoE over the stage).
+
+``tensor_slice`` is the single function that says which part of which tensor a rank holds; ``adapt shard``
+writes by it and the runtime loads by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from adapt.errors import PlanError
+from adapt.layout import TensorSpec, WeightLayout
+from adapt.spec import ModelSpec, ceil_div
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    """total / parts, or a PlanError that shows the arithmetic."""
+    if parts <= 0:
+        raise PlanError(f"{what}: degree must be positive, got {parts}")
+    if total % parts:
+        raise PlanError(f"{what}: {total} is not divisible by {parts} ({total} = {total // parts} x {parts} + "
+                        f"{total % parts})")
+    return total // parts
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One global rank of the plan."""
+
+    rank: int
+    node: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    layers: tuple[int, int]  # [start, stop) of the decoder layers of its stage
+    experts: tuple[int, ...] = ()  # routed expert ids it holds (whole or split by moe_tp)
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """The part of a tensor a rank holds: the whole tensor (dim None) or [start, stop) along dim."""
+
+    name: str
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+    @property
+    def whole(self) -> bool:
+        return self.dim is None
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        if self.dim is None:
+            return full
+        s = list(full)
+        s[self.dim] = self.stop - self.start
+        return tuple(s)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Degrees and rank map. Build with :meth:`build` (checks every split) or :meth:`from_dict`."""
+
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    devices_per_node: int
+    layer_ranges: tuple[tuple[int, int], ...]
+    num_experts: int = 0
+    ranks: tuple[RankInfo, ...] = field(default=(), repr=False)
+    model: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def nodes(self) -> int:
+        return ceil_div(self.world_size, self.devices_per_node)
+
+    @property
+    def moe_tp(self) -> int:
+        """How many ranks split each routed expert (ranks of a stage sharing an ep index)."""
+        return self.tp * self.dp // self.ep
+
+    def rank_info(self, rank: int) -> RankInfo:
+        return self.ranks[rank]
+
+    def label(self) -> str:
+        return f"tp{self.tp}.pp{self.pp}.ep{self.ep}.dp{self.dp}"
+
+    @classmethod
+    def build(cls, spec: ModelSpec, tp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1,
+              devices_per_node: int | None = None, layer_ranges: Iterable[Iterable[int]] | None = None,
+              model: str = "") -> "ParallelPlan":
+        """A plan for ``spec``; raises PlanError naming the first rule that fails, with the arithmetic."""
+        check_divisibility(spec, tp, pp, ep, dp)
+        world = tp * pp * dp
+        dpn = devices_per_node or world
+        ranges = tuple(tuple(int(x) for x in r) for r in layer_ranges) if layer_ranges else balanced_stages(spec, pp)
+        _check_ranges(ranges, spec.num_layers, pp)
+        n_exp = spec.moe.num_experts if spec.moe else 0
+        ranks = []
+        for pp_i in range(pp):
+            for dp_i in range(dp):
+                for tp_i in range(tp):
+                    r = (pp_i * dp + dp_i) * tp + tp_i
+                    s = dp_i * tp + tp_i
+                    ep_i = s % ep
+                    per = n_exp // ep if n_exp else 0
+                    ranks.append(RankInfo(r, r // dpn, r % dpn, tp_i, pp_i, dp_i, ep_i, ranges[pp_i],
+                                          tuple(range(ep_i * per, (ep_i + 1) * per))))
+        return cls(tp, pp, ep, dp, dpn, ranges, n_exp, tuple(ranks), model)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "adapt_plan": 1,
+            "model": self.model,
+            "degrees": {"tp": self.tp, "pp": self.pp, "ep": self.ep, "dp": self.dp},
+            "world_size": self.world_size,
+            "devices_per_node": self.devices_per_node,
+            "nodes": self.nodes,
+            "num_experts": self.num_experts,
+            "layer_ranges": [list(r) for r in self.layer_ranges],
+            "ranks": [dict(asdict(r), layers=list(r.layers), experts=list(r.experts)) for r in self.ranks],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, spec: ModelSpec | None = None, source: str = "plan") -> "ParallelPlan":
+        """Parse and check a plan dict (from plan.yaml); every error names the field."""
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: expected a mapping at the top level")
+        allowed = {"adapt_plan", "model", "degrees", "world_size", "devices_per_node", "nodes", "num_experts",
+                   "layer_ranges", "ranks", "estimates", "cluster", "workload"}
+        unknown = sorted(set(d) - allowed)
+        if unknown:
+            raise PlanError(f"{source}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+        deg = d.get("degrees")
+        if not isinstance(deg, dict):
+            raise PlanError(f"{source}: 'degrees' must be a mapping with tp, pp, ep, dp")
+        bad = sorted(set(deg) - {"tp", "pp", "ep", "dp"})
+        if bad:
+            raise PlanError(f"{source}: unknown key 'degrees.{bad[0]}'")
+        vals = {}
+        for k in ("tp", "pp", "ep", "dp"):
+            v = deg.get(k, 1)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlanError(f"{source}: 'degrees.{k}' must be a positive integer, got {v!r}")
+            vals[k] = v
+        world = vals["tp"] * vals["pp"] * vals["dp"]
+        if "world_size" in d and d["world_size"] != world:
+            raise PlanError(f"{source}: 'world_size' is {d['world_size']} but tp*pp*dp = "
+                            f"{vals['tp']}*{vals['pp']}*{vals['dp']} = {world}")
+        dpn = d.get("devices_per_node", world)
+        if not isinstance(dpn, int) or dpn < 1:
+            raise PlanError(f"{source}: 'devices_per_node' must be a positive integer")
+        ranges = d.get("layer_ranges")
+        if spec is None:
+            raise PlanError(f"{source}: a model spec is needed to check the plan")
+        plan = cls.build(spec, **vals, devices_per_node=dpn, layer_ranges=ranges, model=str(d.get("model", "")))
+        if "ranks" in d:
+            _check_rank_map(d["ranks"], plan, source)
+        return plan
+
+
+def check_divisibility(spec: ModelSpec, tp: int, pp: int, ep: int, dp: int) -> None:
+    """Every split the degrees imply, checked with the arithmetic in the message."""
+    a = spec.attention
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("dp", dp)):
+        if not isinstance(v, int) or v < 1:
+            raise PlanError(f"{name} must be a positive integer, got {v!r}")
+    divide(a.num_heads, tp, "attention heads over tp")
+    if a.kind == "gqa":
+        if tp > a.num_kv_heads:
+            divide(tp, a.num_kv_heads, "tp over KV heads (replicated when tp exceeds them)")
+        else:
+            divide(a.num_kv_heads, tp, "KV heads over tp")
+    divide(spec.vocab_size, tp, "vocabulary over tp")
+    if any(k == "dense" for k in spec.layer_kinds):
+        divide(spec.intermediate_size, tp, "dense MLP intermediate size over tp")
+    if pp > spec.num_layers:
+        raise PlanError(f"layers over pp: {spec.num_layers} layers cannot fill {pp} stages")
+    m = spec.moe
+    if m is None:
+        if ep != 1:
+            raise PlanError(f"ep={ep} but the model has no experts")
+        return
+    divide(tp * dp, ep, "ep over the tp x dp ranks of a stage")
+    divide(m.num_experts, ep, "routed experts over ep")
+    divide(m.intermediate_size, tp * dp // ep, "expert intermediate size over the ranks sharing an expert")
+    if m.shared_intermediate_size:
+        divide(m.shared_intermediate_size, tp, "shared expert intermediate size over tp")
+
+
+def balanced_stages(spec: ModelSpec, pp: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous layer ranges, balanced by weight bytes per layer (MoE layers weigh more)."""
+    layout = WeightLayout.from_spec(spec)
+    cost = [0] * spec.num_layers
+    for t in layout:
+        if t.layer is not None and t.layer < spec.num_layers and t.is_param:
+            cost[t.layer] += t.numel
+    # embedding / lm_head weigh on the first / last stage
+    edge = spec.vocab_size * spec.hidden_size
+    total = sum(cost) + edge * (1 if spec.tie_word_embeddings else 2)
+    target = total / pp
+    ranges, start, acc = [], 0, edge
+    for i, c in enumerate(cost):
+        left_layers = spec.num_layers - i
+        left_stages = pp - len(ranges)
+        if len(ranges) < pp - 1 and i > start and (acc + c / 2 > target or left_layers == left_stages - 1):
+            ranges.append((start, i))
+            start, acc = i, 0
+        acc += c
+    ranges.append((start, spec.num_layers))
+    while len(ranges) < pp:  # degenerate case: split the largest range
+        j = max(range(len(ranges)), key=lambda k: ranges[k][1] - ranges[k][0])
+        a, b = ranges[j]
+        ranges[j:j + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
+    return tuple(ranges)
+
+
+def _check_ranges(ranges, num_layers: int, pp: int) -> None:
+    if len(ranges) != pp:
+        raise PlanError(f"'layer_ranges' has {len(ranges)} stages but pp = {pp}")
+    pos = 0
+    for i, r in enumerate(ranges):
+        if len(r) != 2:
+            raise PlanError(f"'layer_ranges[{i}]' must be [start, stop]")
+        a, b = r
+        if a != pos:
+            kind = "gap" if a > pos else "overlap"
+            raise PlanError(f"'layer_ranges[{i}]' starts at {a}: {kind} after layer {pos - 1}")
+        if b <= a:
+            raise PlanError(f"'layer_ranges[{i}]' is empty ([{a}, {b}))")
+        pos = b
+    if pos != num_layers:
+        raise PlanError(f"'layer_ranges' cover layers [0, {pos}) but the model has {num_layers}")
+
+
+def _check_rank_map(ranks: Any, plan: ParallelPlan, source: str) -> None:
+    if not isinstance(ranks, list):
+        raise PlanError(f"{source}: 'ranks' must be a list")
+    seen: dict[int, int] = {}
+    for i, r in enumerate(ranks):
+        if not isinstance(r, dict) or not isinstance(r.get("rank"), int):
+            raise PlanError(f"{source}: 'ranks[{i}].rank' must be an integer")
+        if r["rank"] in seen:
+            raise PlanError(f"{source}: 'ranks[{i}].rank' {r['rank']} overlaps ranks[{seen[r['rank']]}]")
+        seen[r["rank"]] = i
+    missing = sorted(set(range(plan.world_size)) - set(seen))
+    if missing:
+        raise PlanError(f"{source}: 'ranks' has a gap: rank {missing[0]} is missing (world size {plan.world_size})")
+    extra = sorted(set(seen) - set(range(plan.world_size)))
+    if extra:
+        raise PlanError(f"{source}: 'ranks' holds rank {extra[0]} beyond world size {plan.world_size}")
+    for i, r in enumerate(ranks):
+        want = asdict(plan.ranks[r["rank"]])
+        for key, value in r.items():
+            if key not in want:
+                raise PlanError(f"{source}: unknown key 'ranks[{i}].{key}'")
+            w = want[key]
+            got = tuple(value) if isinstance(value, list) else value
+            if got != (tuple(w) if isinstance(w, (list, tuple)) else w):
+                raise PlanError(f"{source}: 'ranks[{i}].{key}' is {value!r}; the degrees give {list(w) if isinstance(w, tuple) else w!r}")
+
+
+def stage_holds(t: TensorSpec, info: RankInfo, plan: ParallelPlan, spec: ModelSpec) -> bool:
+    """Whether the rank's pipeline stage holds tensor t at all."""
+    first, last = info.pp == 0, info.pp == plan.pp - 1
+    if t.layer is not None:
+        if t.mtp:
+            return last
+        return info.layers[0] <= t.layer < info.layers[1]
+    if t.role == "embed":
+        return first or (last and spec.tie_word_embeddings)
+    if t.role in ("vision", "projector"):
+        return first
+    return last  # final norm, lm_head
+
+
+def tensor_slice(t: TensorSpec, plan: ParallelPlan, rank: int, spec: ModelSpec) -> TensorSlice | None:
+    """The part of tensor t that ``rank`` holds, or None. The one place where splitting is decided."""
+    info = plan.ranks[rank]
+    if not stage_holds(t, info, plan, spec):
+        return None
+    if t.split == "replicated" or t.tp_dim is None:
+        if t.split == "expert" and t.expert not in info.experts:
+            return None
+        return TensorSlice(t.name)
+    if t.split == "expert":
+        if t.expert not in info.experts:
+            return None
+        m = plan.moe_tp
+        j = (info.dp * plan.tp + info.tp) // plan.ep
+        return _even(t, m, j)
+    tp, idx = plan.tp, info.tp
+    if t.head_size and t.role.startswith(("attn_k", "attn_v")) and spec.attention.kind == "gqa":
+        kv = spec.attention.num_kv_heads
+        if tp > kv:  # replicate: tp/kv ranks share one KV head
+            head = idx // (tp // kv)
+            size = t.head_size
+            return TensorSlice(t.name, t.tp_dim, head * size, (head + 1) * size)
+    return _even(t, tp, idx)
+
+
+def _even(t: TensorSpec, parts: int, idx: int) -> TensorSlice:
+    if parts == 1:
+        return TensorSlice(t.name)
+    n = t.shape[t.tp_dim]
+    size = divide(n, parts, f"{t.name} dim {t.tp_dim}")
+    return TensorSlice(t.name, t.tp_dim, idx * size, (idx + 1) * size)
+
+
+def rank_tensors(layout: WeightLayout, plan: ParallelPlan, rank: int) -> list[tuple[TensorSpec, TensorSlice]]:
+    """Every (tensor, slice) that rank holds, in layout order. FP8 scale tensors are sliced by the caller
+    in block units (see ``scale_slice``)."""
+    out = []
+    for t in layout:
+        if t.scale_of is not None:
+            continue
+        s = tensor_slice(t, plan, rank, layout.spec)
+        if s is not None:
+            out.append((t, s))
+    return out
+
+
+def scale_slice(weight_slice: TensorSlice, scale: TensorSpec, block: tuple[int, int]) -> TensorSlice:
+    """The FP8 block-scale slice covering a weight slice; the weight slice must be block aligned."""
+    if weight_slice.whole:
+        return TensorSlice(scale.name)
+    b = block[weight_slice.dim]
+    if weight_slice.start % b:
+        raise PlanError(f"{weight_slice.name}: slice [{weight_slice.start}, {weight_slice.stop}) on dim "
+                        f"{weight_slice.dim} is not aligned to the {b}-wide FP8 scale blocks; "
+                        "dequantize (--dtype bf16) or choose a smaller degree")
+    return TensorSlice(scale.name, weight_slice.dim, weight_slice.start // b, ceil_div(weight_slice.stop, b))

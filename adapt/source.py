@@ -1,0 +1,84 @@
+"""Resolve a MODEL argument: a checkpoint directory, a config.json path, a built-in name or a hub id."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapt.builtin import BUILTIN_CONFIGS, builtin_config
+from adapt.errors import ConfigError, ModelNotFoundError
+from adapt.spec import ModelSpec
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model came from: its config, and its directory when it has weights on disk."""
+
+    name: str
+    config: dict
+    directory: Path | None = None  # checkpoint directory, if any
+    kind: str = "dir"  # dir | config | builtin | hub
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec.from_hf_config(self.config, name=self.name)
+
+
+def read_config(path: Path) -> dict:
+    """Read a config.json with a one-line error for every way it can be wrong."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot read {path}: {e.strerror}") from e
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return cfg
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Turn MODEL into a ModelSource. Built-in names win over same-named relative paths that don't exist."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ModelNotFoundError(f"{path} has no config.json")
+        return ModelSource(path.name, read_config(cfg_path), path, "dir")
+    if path.is_file():
+        return ModelSource(path.stem, read_config(path), None, "config")
+    cfg = builtin_config(model)
+    if cfg is not None:
+        return ModelSource(model, cfg, None, "builtin")
+    if _HUB_ID.match(model):
+        return _from_hub(model)
+    raise ModelNotFoundError(
+        f"{model!r} is not a directory, a config file, a built-in model ({', '.join(BUILTIN_CONFIGS)}) "
+        "or a hub id (owner/name)")
+
+
+def _from_hub(repo_id: str) -> ModelSource:
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError
+    except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
+        raise ModelNotFoundError(f"huggingface_hub is not installed: cannot fetch {repo_id}") from e
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+    try:
+        local = hf_hub_download(repo_id, "config.json")
+    except (RepositoryNotFoundError, EntryNotFoundError) as e:
+        raise ModelNotFoundError(f"hub repo {repo_id!r} has no config.json or does not exist") from e
+    except Exception as e:  # offline, unreachable, gated: huggingface_hub raises many types
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        why = "HF_HUB_OFFLINE is set and it is not in the cache" if offline else "the hub is unreachable"
+        raise ModelNotFoundError(
+            f"cannot fetch config.json of {repo_id!r}: {why} ({type(e).__name__}); "
+            f"download it into the cache ({cache}) or pass a local directory; "
+            "set HF_HUB_OFFLINE=1 to use the cache only") from e
+    return ModelSource(repo_id, read_config(Path(local)), None, "hub")
