@@ -66,13 +66,14 @@ def test_partial_rotary_factor_vs_transformers_init(name):
 def test_apply_rotate_half_bit_exact_and_partial():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(len(POSITIONS), 4, 64, generator=g)
-    cos, sin = rope_cos_sin(*rope_inv_freq(64, THETA, SCALINGS["llama3"]), POSITIONS)
+    cos, sin = rope_cos_sin(rope_inv_freq(64, THETA, SCALINGS["llama3"])[0], POSITIONS)
     expected, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[None], sin[None])
     assert torch.equal(apply_rope(q, cos, sin), expected[0].transpose(0, 1))
     assert_fp32_close(apply_rope_ref(q, cos, sin), expected[0].transpose(0, 1))
     # partial: rotate the first 32 dims, pass the rest
-    cos32, sin32 = rope_cos_sin(*rope_inv_freq(32, THETA), POSITIONS)
-    part, _ = apply_rotary_pos_emb(q[..., :32].transpose(0, 1)[None], q[..., :1], cos32[None], sin32[None])
+    cos32, sin32 = rope_cos_sin(rope_inv_freq(32, THETA)[0], POSITIONS)
+    q32 = q[..., :32].transpose(0, 1)[None]
+    part, _ = apply_rotary_pos_emb(q32, q32, cos32[None], sin32[None])
     got = apply_rope(q, cos32, sin32)
     assert torch.equal(got[..., :32], part[0].transpose(0, 1)) and torch.equal(got[..., 32:], q[..., 32:])
     assert torch.equal(apply_rope_ref(q, cos32, sin32)[..., 32:], q[..., 32:])
