@@ -153,6 +153,8 @@ def parse_checklist(data: Any, path: str = "<checklist>") -> Checklist:
     sections = []
     for si, rs in enumerate(raw_sections):
         swhere = f"{path}: section #{si + 1}"
+        if isinstance(rs, Mapping) and isinstance(rs.get("id"), str):
+            swhere = f"{path}: section {rs['id']!r}"
         _check_keys(rs, _SECTION_KEYS, swhere)
         sid = _str(rs, "id", swhere)
         swhere = f"{path}: section {sid!r}"
@@ -165,6 +167,8 @@ def parse_checklist(data: Any, path: str = "<checklist>") -> Checklist:
         items = []
         for ii, ri in enumerate(raw_items):
             iwhere = f"{path}: section {sid!r} item #{ii + 1}"
+            if isinstance(ri, Mapping) and isinstance(ri.get("id"), str):
+                iwhere = f"{path}: item {ri['id']!r}"
             _check_keys(ri, _ITEM_KEYS, iwhere)
             iid = _str(ri, "id", iwhere)
             iwhere = f"{path}: item {iid!r}"
