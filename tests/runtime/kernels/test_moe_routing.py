@@ -1,0 +1,123 @@
+"""Routers against transformers' own router modules, and against the per-token twins."""
+
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+from adapt.runtime.kernels.moe_routing import (
+    deepseek_v2_topk,
+    deepseek_v2_topk_ref,
+    router_logits,
+    sigmoid_grouped_topk,
+    sigmoid_grouped_topk_ref,
+    softmax_topk,
+    softmax_topk_ref,
+)
+
+T, HID, E = 37, 32, 16
+
+
+def _x(dtype=torch.float32, seed=0):
+    return torch.randn(T, HID, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _randomize(router, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.copy_(torch.rand(E, generator=g) * 0.5)
+    return router
+
+
+def _canon(w, ids):
+    order = ids.argsort(dim=-1)
+    return w.gather(1, order), ids.gather(1, order)
+
+
+def _assert_twin(got, twin):
+    (w, i), (wr, ir) = _canon(*got), _canon(*twin)
+    assert torch.equal(i, ir.to(i.dtype))
+    torch.testing.assert_close(w, wr.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixtral(dtype):
+    cfg = MixtralConfig(hidden_size=HID, num_local_experts=E, num_experts_per_tok=2)
+    router = _randomize(MixtralTopKRouter(cfg)).to(dtype)
+    x = _x(dtype)
+    _, w_t, ids_t = router(x)
+    w, ids = softmax_topk(router_logits(x, router.weight, float32=False), 2, renormalize=True)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids, ids_t) and torch.equal(w, w_t)
+    _assert_twin((w, ids), softmax_topk_ref(router_logits(x, router.weight, False), 2, True))
+
+
+@pytest.mark.parametrize("cls,cfg_cls", [(Qwen2MoeTopKRouter, Qwen2MoeConfig), (Qwen3MoeTopKRouter, Qwen3MoeConfig)])
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen_moe(cls, cfg_cls, norm_topk_prob, dtype):
+    cfg = cfg_cls(hidden_size=HID, num_experts=E, num_experts_per_tok=4, norm_topk_prob=norm_topk_prob)
+    router = _randomize(cls(cfg)).to(dtype)
+    x = _x(dtype)
+    _, w_t, ids_t = router(x)
+    w, ids = softmax_topk(router_logits(x, router.weight, float32=False), 4, renormalize=norm_topk_prob)
+    assert torch.equal(ids, ids_t)
+    assert torch.equal(w.to(dtype), w_t)  # transformers casts the weights back to the logits' dtype
+    _assert_twin((w, ids), softmax_topk_ref(router_logits(x, router.weight, False), 4, norm_topk_prob))
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2(method):
+    cfg = DeepseekV2Config(
+        hidden_size=HID, n_routed_experts=E, num_experts_per_tok=3, topk_method=method, n_group=4, topk_group=2,
+        routed_scaling_factor=16.0,
+    )
+    router = _randomize(DeepseekV2TopkRouter(cfg))
+    assert router.num_experts == E
+    x = _x(torch.bfloat16)
+    _, w_t, ids_t = router(x)
+    logits = router_logits(x, router.weight, float32=True)
+    w, ids = deepseek_v2_topk(logits, 3, method, n_group=4, topk_group=2, routed_scaling_factor=16.0)
+    assert torch.equal(ids, ids_t) and torch.equal(w, w_t)
+    _assert_twin((w, ids), deepseek_v2_topk_ref(logits, 3, method, 4, 2, 16.0))
+
+
+@pytest.mark.parametrize(
+    "n_group,topk_group,norm,top_k",
+    [(4, 2, True, 4), (4, 1, False, 3), (1, 1, True, 8)],  # DeepSeek-V3 style, one group, Kimi-K2 style
+)
+def test_deepseek_v3_sigmoid_grouped(n_group, topk_group, norm, top_k):
+    cfg = DeepseekV3Config(
+        hidden_size=HID, n_routed_experts=E, num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group,
+        norm_topk_prob=norm, routed_scaling_factor=2.5,
+    )
+    router = _randomize(DeepseekV3TopkRouter(cfg))
+    assert router.num_experts == E
+    x = _x(torch.bfloat16, seed=3)
+    _, w_t, ids_t = router(x)
+    logits = router_logits(x, router.weight, float32=True)
+    bias = router.e_score_correction_bias
+    w, ids = sigmoid_grouped_topk(logits, top_k, bias, n_group, topk_group, norm, 2.5)
+    assert torch.equal(ids, ids_t) and torch.equal(w, w_t)
+    _assert_twin((w, ids), sigmoid_grouped_topk_ref(logits, top_k, bias, n_group, topk_group, norm, 2.5))
+
+
+def test_bias_steers_selection_not_weights():
+    logits = torch.zeros(2, 8)
+    logits[:, 0] = 1.0  # expert 0 has the best score
+    bias = torch.zeros(8)
+    bias[5] = 10.0  # expert 5 is always selected
+    w, ids = sigmoid_grouped_topk(logits, 1, bias, norm_topk_prob=False)
+    assert ids.flatten().tolist() == [5, 5]
+    torch.testing.assert_close(w, torch.full((2, 1), 0.5))  # sigmoid(0), unbiased
+
+
+def test_unknown_v2_method():
+    with pytest.raises(ValueError, match="topk_method"):
+        deepseek_v2_topk(torch.zeros(1, 4), 1, "noaux_tc")

@@ -1,0 +1,46 @@
+import pytest
+import torch
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from adapt.runtime.kernels.activation import silu_and_mul, silu_and_mul_ref
+from adapt.runtime.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+
+from ._tol import assert_fp32_close
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+def test_rms_norm_bit_exact_vs_transformers(x_dtype, w_dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 64, generator=g) * 3).to(x_dtype)
+    norm = LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    norm = norm.to(w_dtype)
+    with torch.no_grad():
+        expected = norm(x)
+    got = rms_norm(x, norm.weight.detach(), 1e-5)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+    if x_dtype == torch.float32:
+        assert_fp32_close(rms_norm_ref(x, norm.weight.detach(), 1e-5), expected)
+
+
+def test_fused_add_rms_norm():
+    g = torch.Generator().manual_seed(1)
+    x, res, w = torch.randn(7, 32, generator=g), torch.randn(7, 32, generator=g), torch.rand(32, generator=g)
+    normed, new_res = fused_add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(new_res, res + x) and torch.equal(normed, rms_norm(res + x, w, 1e-6))
+    normed_r, new_res_r = fused_add_rms_norm_ref(x, res, w, 1e-6)
+    assert_fp32_close(normed, normed_r)
+    assert torch.equal(new_res, new_res_r)
+    xb, rb = x.bfloat16(), res.bfloat16()
+    nb, rb2 = fused_add_rms_norm(xb, rb, w.bfloat16(), 1e-6)
+    assert nb.dtype == torch.bfloat16 and torch.equal(rb2, rb + xb)
+
+
+def test_silu_and_mul():
+    x = torch.randn(4, 3, 2 * 24, generator=torch.Generator().manual_seed(2))
+    gate, up = x[..., :24], x[..., 24:]
+    assert torch.equal(silu_and_mul(x), ACT2FN["silu"](gate) * up)
+    assert_fp32_close(silu_and_mul_ref(x), silu_and_mul(x))
