@@ -58,10 +58,11 @@ def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_ti
     tq, hkv, d, dv = qe - qs, k.shape[1], q.shape[2], v.shape[2]
     # [tq, Hkv*G, D] -> [Hkv, G*tq, D]; row r = gi * tq + i is query qs + i of head kv*G + gi
     qt = q[q0 + qs : q0 + qe].float().view(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tq, d)
-    m = torch.full((hkv, g * tq, 1), float("-inf"))  # running max
-    l = torch.zeros(hkv, g * tq, 1)  # running sum
-    acc = torch.zeros(hkv, g * tq, dv)  # unnormalized output
-    qpos = (torch.arange(qs, qe) + shift).repeat(g)  # [G*tq] key position of each row
+    dev = q.device
+    m = torch.full((hkv, g * tq, 1), float("-inf"), device=dev)  # running max
+    l = torch.zeros(hkv, g * tq, 1, device=dev)  # running sum
+    acc = torch.zeros(hkv, g * tq, dv, device=dev)  # unnormalized output
+    qpos = (torch.arange(qs, qe, device=dev) + shift).repeat(g)  # [G*tq] key position of each row
     k_end = min(qe + shift, lk) if causal else lk
     for ks in range(0, k_end, k_tile):
         ke = min(ks + k_tile, k_end)
@@ -69,7 +70,7 @@ def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_ti
         vt = v[k0 + ks : k0 + ke].float().permute(1, 0, 2)  # [Hkv, tk, Dv]
         s = torch.matmul(qt, kt) * scale  # [Hkv, G*tq, tk]
         if causal and ke - 1 > qs + shift:  # tile crosses the diagonal
-            kpos = torch.arange(ks, ke)
+            kpos = torch.arange(ks, ke, device=dev)
             s.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
         # every row sees key 0 in the first tile, so m is finite from then on
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
@@ -108,7 +109,7 @@ def varlen_attention_ref(
             continue
         scores = torch.matmul(qi, ki.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
         if causal:
-            allowed = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+            allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
             scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[qb[b] : qb[b + 1]] = torch.matmul(probs, vi).transpose(0, 1)

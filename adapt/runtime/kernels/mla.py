@@ -90,7 +90,9 @@ def mla_decode(
     return torch.einsum("bhr,hvr->bhv", o_lat, w_uv).to(q_nope.dtype)  # [B, H, Dv]
 
 
-def write_mla_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_mla_cache(
+    c_kv: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write [c_kv [T, R] | k_pe [T, Dr]] into latent_cache [NB, BS, R + Dr] in place at
     slot_mapping [T] (slot = block * BS + offset; negative slots are skipped)."""
     keep = slot_mapping >= 0
@@ -120,7 +122,7 @@ def mla_prefill_ref(q_nope, q_pe, c_kv, k_pe, kv_b_weight, v_head_dim, cu_seqlen
         s0, s1 = bounds[b], bounds[b + 1]
         if s1 == s0:
             continue
-        allowed = torch.ones(s1 - s0, s1 - s0, dtype=torch.bool)
+        allowed = torch.ones(s1 - s0, s1 - s0, dtype=torch.bool, device=q_nope.device)
         allowed = allowed.tril() if causal else allowed
         out[s0:s1] = _mla_attend_ref(
             q_nope[s0:s1], q_pe[s0:s1], c_kv[s0:s1], k_pe[s0:s1], kv_b_weight, v_head_dim, scale, allowed
@@ -140,7 +142,7 @@ def mla_decode_ref(q_nope, q_pe, latent_cache, block_tables, seq_lens, kv_b_weig
             continue
         rows = torch.stack([latent_cache[int(block_tables[i, j // bs]), j % bs] for j in range(n)])  # [n, R + Dr]
         rows = rows.to(q_nope.dtype)
-        allowed = torch.ones(1, n, dtype=torch.bool)
+        allowed = torch.ones(1, n, dtype=torch.bool, device=q_nope.device)
         out[i] = _mla_attend_ref(
             q_nope[i : i + 1], q_pe[i : i + 1], rows[:, :r], rows[:, r:], kv_b_weight, v_head_dim, scale, allowed
         )[0]

@@ -37,7 +37,7 @@ def moe_experts(
     counts = torch.bincount(local[slots], minlength=e).tolist()  # [E]
     tokens = slots // k  # [S'] source token of each slot
     slot_w = weights.reshape(-1)[slots].float()  # [S']
-    out = torch.zeros(t, h, dtype=torch.float32)
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     start = 0
     for ei, n in enumerate(counts):
         if n == 0:
@@ -53,7 +53,7 @@ def moe_experts(
 
 def moe_experts_ref(x, weights, ids, w_gate, w_up, w_down, expert_offset=0):
     """Reference twin: for each token, for each of its K experts held here, the plain MLP."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     e = w_gate.shape[0]
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):

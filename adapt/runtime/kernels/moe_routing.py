@@ -104,7 +104,7 @@ def softmax_topk_ref(logits, top_k, renormalize):
         w = p[chosen]
         ws.append(w / w.sum() if renormalize else w)
         ids.append(torch.tensor(chosen))
-    return torch.stack(ws), torch.stack(ids)
+    return torch.stack(ws).to(logits.device), torch.stack(ids).to(logits.device)
 
 
 def deepseek_v2_topk_ref(logits, top_k, method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0):
@@ -123,7 +123,7 @@ def deepseek_v2_topk_ref(logits, top_k, method="greedy", n_group=1, topk_group=1
         chosen = _top(vals, top_k, among)
         ws.append(torch.tensor([vals[i] for i in chosen]) * routed_scaling_factor)
         ids.append(torch.tensor(chosen))
-    return torch.stack(ws), torch.stack(ids)
+    return torch.stack(ws).to(logits.device), torch.stack(ids).to(logits.device)
 
 
 def sigmoid_grouped_topk_ref(
@@ -144,4 +144,4 @@ def sigmoid_grouped_topk_ref(
             w = w / (w.sum() + 1e-20)
         ws.append(w * routed_scaling_factor)
         ids.append(torch.tensor(chosen))
-    return torch.stack(ws), torch.stack(ids)
+    return torch.stack(ws).to(logits.device), torch.stack(ids).to(logits.device)

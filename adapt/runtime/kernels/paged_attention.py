@@ -44,9 +44,10 @@ def paged_decode_attention(
     max_len = int(seq_lens.max()) if b > 0 else 0
     num_blocks = (max_len + bs - 1) // bs
     qg = q.float().view(b, hkv, g, d)  # [B, Hkv, G, D]
-    m = torch.full((b, hkv, g, 1), float("-inf"))
-    l = torch.zeros(b, hkv, g, 1)
-    acc = torch.zeros(b, hkv, g, dv)
+    dev = q.device
+    m = torch.full((b, hkv, g, 1), float("-inf"), device=dev)
+    l = torch.zeros(b, hkv, g, 1, device=dev)
+    acc = torch.zeros(b, hkv, g, dv, device=dev)
     for c0 in range(0, num_blocks, blocks_per_step):
         c1 = min(c0 + blocks_per_step, num_blocks)
         n = (c1 - c0) * bs
@@ -54,7 +55,7 @@ def paged_decode_attention(
         kc = _gather(k_cache, k_scale, blocks, n)  # [B, n, Hkv, D] float32
         vc = _gather(v_cache, v_scale, blocks, n)  # [B, n, Hkv, Dv] float32
         s = torch.matmul(qg, kc.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, n]
-        pos = torch.arange(c0 * bs, c1 * bs)
+        pos = torch.arange(c0 * bs, c1 * bs, device=dev)
         masked = pos[None, :] >= seq_lens[:, None]  # [B, n]
         s.masked_fill_(masked[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))

@@ -119,7 +119,7 @@ def rope_cos_sin(
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, Dr] (= cat(freqs, freqs) layout) for integer positions [T], times attention_factor."""
-    freqs = positions[..., None].float() * inv_freq.to(dtype=torch.float)  # [T, F]
+    freqs = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)  # [T, F]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dr]
     cos = emb.cos() * attention_factor
     sin = emb.sin() * attention_factor

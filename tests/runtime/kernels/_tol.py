@@ -19,7 +19,9 @@ LOWP_FLOOR = 1e-6
 
 def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
     """Float32 kernel vs float32 twin, within FP32_ATOL + FP32_RTOL * |expected|."""
-    torch.testing.assert_close(actual.float(), expected.float(), atol=FP32_ATOL, rtol=FP32_RTOL, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual.float(), expected.float(), atol=FP32_ATOL, rtol=FP32_RTOL, msg=lambda m: f"{what}: {m}"
+    )
 
 
 def lowp_errors(kernel_lowp: torch.Tensor, twin_lowp: torch.Tensor, twin_fp32: torch.Tensor) -> tuple[float, float]:
@@ -29,7 +31,11 @@ def lowp_errors(kernel_lowp: torch.Tensor, twin_lowp: torch.Tensor, twin_fp32: t
 
 
 def assert_lowp_close(
-    kernel_lowp: torch.Tensor, twin_lowp: torch.Tensor, twin_fp32: torch.Tensor, what: str = "", factor: float = LOWP_FACTOR
+    kernel_lowp: torch.Tensor,
+    twin_lowp: torch.Tensor,
+    twin_fp32: torch.Tensor,
+    what: str = "",
+    factor: float = LOWP_FACTOR,
 ) -> None:
     """FlashAttention's rule: err(kernel_lowp) <= factor * err(twin_lowp) + LOWP_FLOOR vs twin_fp32."""
     assert torch.isfinite(kernel_lowp.float()).all(), f"{what}: non-finite output"

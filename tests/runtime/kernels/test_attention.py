@@ -91,3 +91,11 @@ def test_prefill_memory_is_linear_in_length():
     # the detector sees the quadratic twin: its score matrix is hq * L * L floats
     q, k, v = _qkv([512], hq, 1, d, d)
     assert largest_allocation(lambda: varlen_attention_ref(q, k, v, _cu([512]), 0.3)) >= hq * 512 * 512 * 4
+
+
+def test_gqa_does_not_materialize_repeated_kv():
+    # Hq = 8 over one kv head, D = 64 >> Dv = 4: a repeat_interleave of K would be T * Hq * D floats
+    n, hq, d, dv = 256, 8, 64, 4
+    q, k, v = _qkv([n], hq, 1, d, dv)
+    largest = largest_allocation(lambda: varlen_attention(q, k, v, _cu([n]), 0.1, q_tile=TILE, k_tile=TILE))
+    assert largest < n * hq * d * 4 // 4, largest
