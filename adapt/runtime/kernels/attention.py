@@ -57,7 +57,7 @@ def varlen_attention(
 def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile) -> None:
     tq, hkv, d, dv = qe - qs, k.shape[1], q.shape[2], v.shape[2]
     # [tq, Hkv*G, D] -> [Hkv, G*tq, D]; row r = gi * tq + i is query qs + i of head kv*G + gi
-    qt = q[q0 + qs : q0 + qe].float().view(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tq, d)
+    qt = q[q0 + qs : q0 + qe].float().reshape(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tq, d)
     dev = q.device
     m = torch.full((hkv, g * tq, 1), float("-inf"), device=dev)  # running max
     l = torch.zeros(hkv, g * tq, 1, device=dev)  # running sum

@@ -43,7 +43,7 @@ def paged_decode_attention(
     seq_lens = seq_lens.to(torch.long)
     max_len = int(seq_lens.max()) if b > 0 else 0
     num_blocks = (max_len + bs - 1) // bs
-    qg = q.float().view(b, hkv, g, d)  # [B, Hkv, G, D]
+    qg = q.float().reshape(b, hkv, g, d)  # [B, Hkv, G, D]
     dev = q.device
     m = torch.full((b, hkv, g, 1), float("-inf"), device=dev)
     l = torch.zeros(b, hkv, g, 1, device=dev)

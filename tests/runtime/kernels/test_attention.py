@@ -99,3 +99,13 @@ def test_gqa_does_not_materialize_repeated_kv():
     q, k, v = _qkv([n], hq, 1, d, dv)
     largest = largest_allocation(lambda: varlen_attention(q, k, v, _cu([n]), 0.1, q_tile=TILE, k_tile=TILE))
     assert largest < n * hq * d * 4 // 4, largest
+
+
+def test_non_contiguous_inputs():
+    # q, k, v as slices of one fused qkv projection
+    lens = [5, 17]
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(sum(lens), 4 + 2 + 2, 8, generator=g)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    out = varlen_attention(q, k, v, _cu(lens), 0.3, q_tile=TILE, k_tile=TILE)
+    assert_fp32_close(out, varlen_attention_ref(q.contiguous(), k.contiguous(), v.contiguous(), _cu(lens), 0.3))
