@@ -39,18 +39,15 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         chat_template: str | None = None,
-        add_bos_token: bool = False,
-        add_eos_token: bool = False,
+        config_add_bos_token: bool | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
-        # tokenizer.json's post-processor decides which special tokens encode() adds, as in transformers;
-        # the config's add_bos_token / add_eos_token apply only to a tokenizer.json without one.
-        has_post = backend.post_processor is not None
-        self._prepend = [self.bos_token_id] if add_bos_token and not has_post and self.bos_token_id is not None else []
-        self._append = [self.eos_token_id] if add_eos_token and not has_post and self.eos_token_id is not None else []
+        # What tokenizer_config.json says. As in transformers 5, tokenizer.json's post-processor alone decides
+        # which special tokens encode() adds; ``adds_bos_token`` says what it does, so a check can compare.
+        self.config_add_bos_token = config_add_bos_token
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -76,8 +73,7 @@ class Tokenizer:
             bos_token=_token_text(config.get("bos_token", special.get("bos_token"))),
             eos_token=_token_text(config.get("eos_token", special.get("eos_token"))),
             chat_template=template if isinstance(template, str) else None,
-            add_bos_token=bool(config.get("add_bos_token", False)),
-            add_eos_token=bool(config.get("add_eos_token", False)),
+            config_add_bos_token=config.get("add_bos_token") if isinstance(config.get("add_bos_token"), bool) else None,
         )
 
     # -- vocabulary ------------------------------------------------------------------------------------
@@ -98,14 +94,17 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.token_to_id(self.eos_token) if self.eos_token is not None else None
 
+    @property
+    def adds_bos_token(self) -> bool:
+        """Whether ``encode(text)`` starts with the BOS token."""
+        bos = self.bos_token_id
+        return bos is not None and self.encode("")[:1] == [bos]
+
     # -- text <-> ids ----------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (e.g. BOS)."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and (self._prepend or self._append):
-            ids = self._prepend + ids + self._append
-        return ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``, leaving out special tokens unless ``skip_special_tokens`` is False."""

@@ -186,14 +186,16 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         Tokenizer.from_dir(tmp_path)
 
 
-def test_add_bos_token_without_post_processor(tmp_path: Path, sp_dir: Path) -> None:
+def test_post_processor_alone_adds_bos_as_in_transformers(tmp_path: Path, sp_dir: Path) -> None:
     backend = Backend.from_file(str(sp_dir / "tokenizer.json"))
     backend.post_processor = None
     backend.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "add_bos_token": True}))
     ours = Tokenizer.from_dir(tmp_path)
-    bos = ours.bos_token_id
-    assert ours.encode("hello")[0] == bos and ours.encode("hello", add_special_tokens=False)[0] != bos
+    assert ours.config_add_bos_token is True and not ours.adds_bos_token
+    assert ours.encode("hello") == AutoTokenizer.from_pretrained(str(tmp_path)).encode("hello")
+    with_post = Tokenizer.from_dir(sp_dir)
+    assert with_post.adds_bos_token and with_post.config_add_bos_token is True
 
 
 @pytest.mark.parametrize("which", ["sp_dir", "tiny_dir"])
