@@ -69,7 +69,8 @@ rainy in April, warm in July and windy in October. Monday, Tuesday, Wednesday, T
 Saturday and Sunday make a week; twelve months make a year.
 Question: why is the sky blue? Answer: sunlight is scattered by the air, and blue light scatters more
 than red light, so the sky looks blue during the day and red or orange at sunset.
-Bonjour, comment allez-vous? Hola, como estas? Guten Tag! Ciao! Ni hao. Caf\u00e9, na\u00efve, r\u00e9sum\u00e9, \u00fcber.
+Bonjour, comment allez-vous? Hola, como estas? Guten Tag! Ciao! Ni hao.
+Caf\u00e9, na\u00efve, r\u00e9sum\u00e9, \u00fcber.
 """
 
 

@@ -139,9 +139,12 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         """Token ids of the rendered chat; the template writes its own BOS, so none is added."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     @cached_property
     def _template(self) -> jinja2.Template:
@@ -236,7 +239,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes HTML characters; chat templates expect plain json.dumps, as transformers gives.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

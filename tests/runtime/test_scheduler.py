@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,3 +220,10 @@ def test_no_torch_import() -> None:
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any(m.split(".")[0] == "torch" or m.endswith("sampling") for m in modules)
+
+
+def test_scheduler_and_block_manager_load_without_torch() -> None:
+    code = "import sys, adapt.runtime.scheduler, adapt.runtime.cache.block_manager; print('torch' in sys.modules)"
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert out.stdout.strip() == "False"
