@@ -40,6 +40,7 @@ class Tokenizer:
         eos_token: str | None = None,
         chat_template: str | None = None,
         config_add_bos_token: bool | None = None,
+        clean_up_tokenization_spaces: bool = False,
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
@@ -48,6 +49,8 @@ class Tokenizer:
         # What tokenizer_config.json says. As in transformers 5, tokenizer.json's post-processor alone decides
         # which special tokens encode() adds; ``adds_bos_token`` says what it does, so a check can compare.
         self.config_add_bos_token = config_add_bos_token
+        # transformers 5 applies this WordPiece-era cleanup to non-BPE models only; so do we.
+        self._clean_up = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -74,6 +77,7 @@ class Tokenizer:
             eos_token=_token_text(config.get("eos_token", special.get("eos_token"))),
             chat_template=template if isinstance(template, str) else None,
             config_add_bos_token=config.get("add_bos_token") if isinstance(config.get("add_bos_token"), bool) else None,
+            clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
         )
 
     # -- vocabulary ------------------------------------------------------------------------------------
@@ -108,7 +112,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``, leaving out special tokens unless ``skip_special_tokens`` is False."""
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_spaces(text) if self._clean_up else text
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A streaming detokenizer for one sequence's generated tokens."""
@@ -194,6 +199,17 @@ class IncrementalDecoder:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+
+def _clean_up_spaces(text: str) -> str:
+    """Drop the space a word-level decode puts before punctuation and English contractions."""
+    for old, new in _CLEAN_UP:
+        text = text.replace(old, new)
+    return text
+
+
+_CLEAN_UP = [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m")]
+_CLEAN_UP += [(" 's", "'s"), (" 've", "'ve"), (" 're", "'re")]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -114,6 +114,23 @@ def test_encode_decode_match_transformers(which: str, request: pytest.FixtureReq
     assert ours.encode("hello")[0] == ours.bos_token_id
 
 
+def test_word_level_clean_up_matches_transformers(tmp_path: Path) -> None:
+    tok = Backend(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SENTENCES + ["it's done , isn't it ? no !", "end ."], trainers.WordLevelTrainer(special_tokens=["<unk>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    for clean in (True, False):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"clean_up_tokenization_spaces": clean}))
+        ours, auto = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+        for text in ["hello world, hello there.", "it's done, isn't it?", "the cat sat !"]:
+            ids = ours.encode(text)
+            assert ids == auto.encode(text), text
+            for skip in (True, False):
+                assert ours.decode(ids, skip) == auto.decode(ids, skip_special_tokens=skip), (clean, text)
+        if clean:
+            assert ours.decode(ours.encode("it's done , isn't it ?")) == "it's done, isn't it?"
+
+
 def test_chat_template_matches_transformers(sp_dir: Path) -> None:
     ours = Tokenizer.from_dir(sp_dir)
     auto = AutoTokenizer.from_pretrained(str(sp_dir))
