@@ -150,3 +150,15 @@ def test_available_memory_cpu_reads_meminfo() -> None:
 def test_available_memory_cuda_uses_mem_get_info(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (777, 1000))
     assert available_memory_bytes("cuda:0") == 777
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pool_from_free_memory() -> None:
+    spec = KVCacheSpec.mla(2, 32, 16, torch.bfloat16, quant="int8")
+    pool = KVPool.from_budget(spec, 16, "cuda", memory_fraction=0.5, max_blocks=8)
+    assert pool.num_blocks == 8 and pool.layers[0].k.is_cuda
+    slots = torch.arange(5, device="cuda")
+    latent = torch.randn(5, 48, device="cuda")
+    pool.write(0, slots, latent)
+    (back,) = pool.read(0, slots, torch.float32)
+    assert ((back - latent).abs() <= latent.abs().amax(-1, keepdim=True) / 254 + 1e-3).all()

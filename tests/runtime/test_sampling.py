@@ -126,3 +126,14 @@ def test_low_precision_logits_and_errors() -> None:
         sample(logits, [GREEDY])
     with pytest.raises(RuntimeConfigError, match="generators"):
         sample(logits, [GREEDY, GREEDY], [None])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_seeded_rows_do_not_depend_on_batch() -> None:
+    params = SamplingParams(seed=99, top_k=20, temperature=0.7)
+    row = torch.randn(1, 1000, device="cuda")
+    alone = sample(row, [params], [make_generator(params, "cuda")]).token_ids
+    batch = torch.cat([torch.randn(3, 1000, device="cuda"), row])
+    others = [GREEDY, SamplingParams(), SamplingParams(top_p=0.3)]
+    gens = [None, None, None, make_generator(params, "cuda")]
+    assert sample(batch, others + [params], gens).token_ids[3] == alone[0]
