@@ -60,7 +60,7 @@ class Sequence:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     text: str | None = None  # final output text, stop string and stop token removed
     num_preemptions: int = 0
-    _checked_chars: int = field(default=0, repr=False)  # output text already searched for stop strings
+    _checked_chars: int = field(default=0, init=False, repr=False)  # output text searched for stop strings
 
     @property
     def token_ids(self) -> list[int]:
