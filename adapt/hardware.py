@@ -51,6 +51,11 @@ class HardwareSpec:
 
 def _num(d: dict, key: str, where: str) -> float:
     v = d.get(key)
+    if isinstance(v, str):  # YAML 1.1 (PyYAML) reads 1e12 and 6.7e13 (no exponent sign) as strings
+        try:
+            v = float(v.replace("_", ""))
+        except ValueError:
+            pass
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
         raise HardwareError(f"{where}: '{key}' must be a positive number, got {v!r}")
     return float(v)
