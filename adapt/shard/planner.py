@@ -1,0 +1,87 @@
+"""What to write: every rank's output tensors (sliced by adapt.plan only) packed into files."""
+
+from __future__ import annotations
+
+from adapt.errors import ShardError
+from adapt.layout import WeightLayout
+from adapt.plan import ParallelPlan, TensorSlice, rank_tensors, scale_slice
+from adapt.shard.checkpoint import Checkpoint
+from adapt.shard.manifest import OutputFile, OutputTensor, rank_dir
+from adapt.shard.transform import plan_transform
+
+DEFAULT_MAX_FILE_SIZE = 5 * 10**9
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MiB', '20KB' or a byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper().replace(" ", "")
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in _UNITS or value <= 0:
+        raise ShardError(f"--max-file-size must be a size such as 5GB, 500MiB or 20KB; got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, rank: int, names: set[str],
+                 dtype_choice: str) -> list[OutputTensor]:
+    """The tensors rank writes, in layout order: slices from adapt.plan, scale blocks by scale_slice."""
+    scales = {t.scale_of: t for t in layout if t.scale_of is not None}
+    block = layout.spec.quant.block_size if layout.spec.quant else None
+    out = []
+    for t, s in rank_tensors(layout, plan, rank):
+        if t.name not in names:
+            continue
+        src = ckpt.tensors[t.name]
+        scale = scales.get(t.name)
+        quantized = scale is not None and src.dtype == "float8_e4m3fn"
+        transform, dtype = plan_transform(src.dtype, dtype_choice, quantized)
+        out.append(OutputTensor(t.name, t.name, src.file, s, s.shape(src.shape), src.shape, transform, dtype,
+                                src.dtype, scale.name if transform == "fp8_block_dequant" else None))
+        if scale is not None and transform != "fp8_block_dequant" and scale.name in names:
+            ss = scale_slice(s, scale, block)
+            ssrc = ckpt.tensors[scale.name]
+            out.append(OutputTensor(scale.name, scale.name, ssrc.file, ss, ss.shape(ssrc.shape), ssrc.shape, "none",
+                                    ssrc.dtype, ssrc.dtype))
+    return out
+
+
+def pack_files(rank: int, tensors: list[OutputTensor], max_file_size: int) -> list[OutputFile]:
+    """Split a rank's tensors into files of at most max_file_size bytes (a larger tensor gets its own)."""
+    groups: list[list[OutputTensor]] = []
+    size = 0
+    for t in tensors:
+        n = OutputFile("", rank, (t,)).nbytes
+        if not groups or (size + n > max_file_size and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += n
+    total = len(groups)
+    return [OutputFile(f"{rank_dir(rank)}/model-{i + 1:05d}-of-{total:05d}.safetensors", rank, tuple(g))
+            for i, g in enumerate(groups)]
+
+
+def plan_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, names: list[str], dtype_choice: str,
+                 max_file_size: int) -> list[OutputFile]:
+    """Every output file of every rank, without sizes and checksums."""
+    present = set(names)
+    files: list[OutputFile] = []
+    for rank in range(plan.world_size):
+        files += pack_files(rank, rank_outputs(ckpt, layout, plan, rank, present, dtype_choice), max_file_size)
+    return files
+
+
+def scale_blocks(weight: TensorSlice, block: tuple[int, int], scale_shape: tuple[int, ...]) -> TensorSlice:
+    """The scale rows (or columns) covering a weight slice, for dequantization (need not be block aligned)."""
+    if weight.whole:
+        return TensorSlice(weight.name)
+    b = block[weight.dim]
+    return TensorSlice(weight.name, weight.dim, weight.start // b, min(scale_shape[weight.dim], -(-weight.stop // b)))

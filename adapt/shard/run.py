@@ -1,0 +1,321 @@
+"""``shard()``: validate, plan, then stream every rank's files; resume what a killed run left.
+
+Order of a run: read the config, the plan and every source header; check the checkpoint against the
+layout (nothing is written if it does not match); plan all output files; mark OUT as ours and remove
+an old manifest (un-commit); keep files a journal or old manifest vouches for and that still hash the
+same; write the rest (atomically, ``--workers`` at once within a memory budget); copy config and
+tokenizer files; write ``manifest.json`` last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from adapt.errors import CheckpointError, ConfigError, PlanError, ShardError
+from adapt.layout import WeightLayout
+from adapt.plan import ParallelPlan
+from adapt.shard.checkpoint import Checkpoint, check_against_layout, open_checkpoint
+from adapt.shard.manifest import MANIFEST, Manifest, OutputFile, load_manifest
+from adapt.shard.planner import DEFAULT_MAX_FILE_SIZE, plan_outputs, scale_blocks
+from adapt.shard.transform import DTYPE_CHOICES, cast, dequant_slice, target_dtype
+from adapt.shard.writer import AtomicFile, remove_stale_tmp, sha256_file, write_bytes, write_safetensors
+from adapt.spec import ModelSpec
+
+MARKER = ".adapt-shard.json"
+JOURNAL = ".adapt-shard.journal"
+COPY_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+              "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+              "chat_template.json", "preprocessor_config.json", "tiktoken.model")
+DEFAULT_BUDGET = 4 << 30
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    out_dir: Path
+    manifest: Manifest
+    files_written: int
+    files_kept: int
+    bytes_written: int
+    bytes_total: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        gbps = self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return dict(out=str(self.out_dir), plan=self.manifest.plan["degrees"], world_size=self.manifest.world_size,
+                    files=len(self.manifest.files), files_written=self.files_written, files_kept=self.files_kept,
+                    bytes_written=self.bytes_written, bytes_total=self.bytes_total, seconds=round(self.seconds, 3),
+                    gb_per_s=round(gbps, 3), dtype=self.manifest.dtype)
+
+
+class Budget:
+    """Bytes of tensor slices in flight across workers; a request larger than the budget runs alone."""
+
+    def __init__(self, total: int):
+        self.total, self.used = max(1, total), 0
+        self.cv = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        n = min(max(n, 1), self.total)
+        with self.cv:
+            while self.used + n > self.total:
+                self.cv.wait()
+            self.used += n
+        return n
+
+    def release(self, n: int) -> None:
+        with self.cv:
+            self.used -= n
+            self.cv.notify_all()
+
+
+def load_plan_file(path: Path, spec: ModelSpec) -> ParallelPlan:
+    """plan.yaml -> ParallelPlan (adapt.plan's loader when it has one)."""
+    import adapt.plan as plan_mod
+
+    loader = getattr(plan_mod, "load_plan", None)
+    if loader is not None:
+        return loader(path, spec)
+    import yaml
+
+    try:
+        d = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise PlanError(f"cannot read {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise PlanError(f"{path}: malformed YAML ({str(e).splitlines()[0]})") from e
+    return ParallelPlan.from_dict(d, spec, source=str(path))
+
+
+def read_source_config(ckpt_dir: Path) -> dict:
+    p = Path(ckpt_dir) / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except OSError as e:
+        raise CheckpointError(f"{ckpt_dir} has no readable config.json") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: malformed JSON at line {e.lineno}: {e.msg}") from e
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{p}: expected a JSON object")
+    return cfg
+
+
+def output_config(cfg: dict, dtype_choice: str) -> dict:
+    """The config written beside the shards: dequantized outputs drop quantization_config."""
+    target = target_dtype(dtype_choice)
+    if target is None:
+        return cfg
+    out = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    for key in ("torch_dtype", "dtype"):
+        if key in out or key == "torch_dtype":
+            out[key] = target
+    return out
+
+
+def _check_out_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ShardError(f"--out {out} exists and is not a directory")
+    if not out.is_dir() or (out / MARKER).exists() or (out / MANIFEST).exists() or not any(out.iterdir()):
+        return
+    if not force:
+        raise ShardError(f"--out {out} exists and is not an adapt shard output; pass --force to write into it")
+
+
+def _fingerprint(files: list[OutputFile], sources: list[dict]) -> str:
+    body = json.dumps([[f.to_json() for f in files], sources], sort_keys=True).encode()
+    return hashlib.sha256(body).hexdigest()
+
+
+def _read_journal(out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
+    files, sources = {}, {}
+    try:
+        lines = (out / JOURNAL).read_text().splitlines()
+    except OSError:
+        return files, sources
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+        (sources if "source" in e else files)[e.get("source") or e.get("path")] = e
+    return files, sources
+
+
+class _Journal:
+    def __init__(self, out: Path):
+        self.f = open(out / JOURNAL, "a")
+        self.lock = threading.Lock()
+
+    def add(self, entry: dict) -> None:
+        with self.lock:
+            self.f.write(json.dumps(entry) + "\n")
+            self.f.flush()
+            os.fsync(self.f.fileno())
+
+
+def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None = None, *, tp: int = 1,
+          pp: int = 1, ep: int = 1, dp: int = 1, plan_file: str | Path | None = None, dtype: str = "keep",
+          max_file_size: int = DEFAULT_MAX_FILE_SIZE, workers: int = 1, memory_budget: int = DEFAULT_BUDGET,
+          force: bool = False, allow_pickle: bool = False,
+          progress: Callable[[int, int], None] | None = None) -> ShardResult:
+    """Shard a checkpoint directory into ``out_dir`` per the plan. ``progress(delta_bytes, total_bytes)``."""
+    t0 = time.perf_counter()
+    src_dir, out = Path(checkpoint), Path(out_dir)
+    if dtype not in DTYPE_CHOICES:
+        raise ShardError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
+    if workers < 1:
+        raise ShardError(f"--workers must be at least 1, got {workers}")
+    cfg = read_source_config(src_dir)
+    spec = ModelSpec.from_hf_config(cfg, name=src_dir.name)
+    layout = WeightLayout.from_spec(spec)
+    if plan is None:
+        plan = load_plan_file(Path(plan_file), spec) if plan_file else ParallelPlan.build(spec, tp, pp, ep, dp)
+    import adapt.plan as plan_mod
+
+    if hasattr(plan_mod, "coverage"):
+        plan_mod.coverage(layout, plan)
+    ckpt, _ = open_checkpoint(src_dir, allow_pickle)
+    names = check_against_layout(ckpt, layout)
+    files = plan_outputs(ckpt, layout, plan, names, dtype, max_file_size)
+    block = spec.quant.block_size if spec.quant else None
+    src_stat = {f: (src_dir / f).stat() for f in ckpt.files}
+    sources = [dict(name=f, size=s.st_size) for f, s in src_stat.items()]
+    fp = _fingerprint(files, sources)
+
+    _check_out_dir(out, force)
+    out.mkdir(parents=True, exist_ok=True)
+    known, known_src = {}, {}
+    try:
+        marker = json.loads((out / MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        marker = {}
+    if marker.get("fingerprint") == fp:
+        known, known_src = _read_journal(out)
+        try:
+            old = load_manifest(out)
+            known.update({f.path: dict(path=f.path, size=f.size, sha256=f.sha256) for f in old.files})
+            known_src.update({s["name"]: dict(s, source=s["name"]) for s in old.source_files})
+        except ShardError:
+            pass
+    if (out / MANIFEST).exists():
+        (out / MANIFEST).unlink()  # un-commit before anything changes
+    if marker.get("fingerprint") != fp:
+        (out / JOURNAL).unlink(missing_ok=True)
+        write_bytes(out / MARKER, json.dumps(dict(adapt_shard=1, fingerprint=fp)).encode())
+    rank_dirs = sorted({out / f.path.split("/")[0] for f in files})
+    remove_stale_tmp(rank_dirs + [out])
+    planned = {f.path for f in files}
+    for d in out.glob("rank-*"):
+        for p in d.glob("*.safetensors"):
+            if f"{d.name}/{p.name}" not in planned:
+                p.unlink()  # left by an earlier run with another plan
+
+    journal = _Journal(out)
+    total = sum(f.nbytes for f in files)
+    tick = progress or (lambda n, t: None)
+    tick(0, total)
+    budget = Budget(memory_budget)
+    sleep = float(os.environ.get("ADAPT_SHARD_TEST_SLEEP", "0") or 0)  # test hook: widen the kill window
+    done: dict[str, OutputFile] = {}
+    written = [0, 0]  # files, bytes
+    lock = threading.Lock()
+
+    def hash_source(name: str) -> dict:
+        st = src_stat[name]
+        k = known_src.get(name)
+        if k and k.get("size") == st.st_size and k.get("mtime_ns") == st.st_mtime_ns:
+            return dict(name=name, size=st.st_size, mtime_ns=st.st_mtime_ns, sha256=k["sha256"])
+        entry = dict(name=name, size=st.st_size, mtime_ns=st.st_mtime_ns, sha256=sha256_file(src_dir / name))
+        journal.add(dict(entry, source=name))
+        return entry
+
+    def write_file(f: OutputFile) -> None:
+        k = known.get(f.path)
+        path = out / f.path
+        if k and path.is_file() and path.stat().st_size == k["size"] and sha256_file(path) == k["sha256"]:
+            with lock:
+                done[f.path] = replace(f, size=k["size"], sha256=k["sha256"])
+            tick(f.nbytes, total)
+            return
+        held = []
+        specs = [(t.name, t.dtype, t.shape) for t in f.tensors]
+
+        def produce(i: int):
+            held.append(budget.acquire(_slice_cost(f.tensors[i])))
+            return _produce(ckpt, f.tensors[i], block)
+
+        def after() -> None:
+            budget.release(held.pop())
+            if sleep:
+                time.sleep(sleep)
+
+        size, sha = write_safetensors(path, specs, produce, lambda n: tick(n, total), after)
+        journal.add(dict(path=f.path, size=size, sha256=sha))
+        with lock:
+            done[f.path] = replace(f, size=size, sha256=sha)
+            written[0] += 1
+            written[1] += f.nbytes
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            src_futs = [pool.submit(hash_source, f) for f in ckpt.files]
+            futs = [pool.submit(write_file, f) for f in sorted(files, key=lambda f: -f.nbytes)]
+            for fut in futs + src_futs:
+                fut.result()
+        src_entries = [fut.result() for fut in src_futs]
+    finally:
+        journal.f.close()
+        ckpt.close()
+    extra = _copy_side_files(src_dir, out, cfg, dtype)
+    manifest = Manifest(spec.name, spec.model_type, plan.to_dict(), dtype, max_file_size, str(src_dir.resolve()),
+                        cfg, tuple(src_entries), tuple(done[f.path] for f in files), tuple(extra), block)
+    with AtomicFile(out / MANIFEST) as mf:  # the commit point
+        mf.write(manifest.to_json().encode())
+    (out / JOURNAL).unlink(missing_ok=True)
+    return ShardResult(out, manifest, written[0], len(files) - written[0], written[1], total,
+                       time.perf_counter() - t0)
+
+
+def _slice_cost(t) -> int:
+    """Bytes a tensor holds while it is produced: the output slice, plus the FP8 input when dequantizing."""
+    out = OutputFile("", 0, (t,)).nbytes
+    if t.transform == "none":
+        return out
+    n = out // max(1, {"float32": 4}.get(t.dtype, 2))
+    return out + n * (1 if t.transform == "fp8_block_dequant" else {"float32": 4}.get(t.source_dtype, 2))
+
+
+def _produce(ckpt: Checkpoint, t, block):
+    s = t.slice
+    w = ckpt.read(t.source, s.dim, s.start, s.stop)
+    if t.transform == "none":
+        return w
+    if t.transform == "cast":
+        return cast(w, t.dtype)
+    if t.transform == "fp8_block_dequant":
+        if block is None or t.scale is None:
+            raise ShardError(f"{t.source}: FP8 weight without block scales")
+        sc = scale_blocks(s, block, ckpt.tensors[t.scale].shape)
+        scale = ckpt.read(t.scale, sc.dim, sc.start, sc.stop)
+        return dequant_slice(w, scale, block, s.dim, s.start, t.dtype)
+    raise ShardError(f"unknown transform {t.transform!r}")
+
+
+def _copy_side_files(src: Path, out: Path, cfg: dict, dtype: str) -> list[dict]:
+    """config.json (rewritten for the output dtype) and tokenizer files, beside the rank directories."""
+    entries = []
+    size, sha = write_bytes(out / "config.json", (json.dumps(output_config(cfg, dtype), indent=2) + "\n").encode())
+    entries.append(dict(path="config.json", size=size, sha256=sha))
+    for name in COPY_FILES:
+        p = src / name
+        if p.is_file() and not p.is_symlink() or (p.is_symlink() and p.resolve().is_file()):
+            size, sha = write_bytes(out / name, p.read_bytes())
+            entries.append(dict(path=name, size=size, sha256=sha))
+    return entries

@@ -1,0 +1,78 @@
+"""Dtype transforms applied per slice: keep, cast, and FP8 e4m3 block dequantization on the CPU.
+
+FP8 block layout (DeepSeek-V3 / Kimi-K2): weight ``W`` [R, C] in float8_e4m3fn, ``W_scale_inv``
+[ceil(R/bm), ceil(C/bn)] in float32; the real weight is ``W.float() * scale_inv`` broadcast over each
+bm x bn block (edge blocks are partial when R or C is not a multiple of the block).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adapt.spec import ceil_div
+
+DTYPE_CHOICES = ("keep", "bf16", "fp16", "fp32")
+_TARGET = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_FLOATS = ("float64", "float32", "float16", "bfloat16")
+_CHUNK_BYTES = 64 << 20  # rows of a dequantized slice processed at once
+
+
+def target_dtype(choice: str) -> str | None:
+    """The torch dtype name for --dtype, None for keep."""
+    return _TARGET.get(choice)
+
+
+def plan_transform(src_dtype: str, choice: str, quantized: bool) -> tuple[str, str]:
+    """(transform, output dtype) for a source tensor: transform is none | cast | fp8_block_dequant."""
+    target = target_dtype(choice)
+    if target is None:
+        return "none", src_dtype
+    if quantized:
+        return "fp8_block_dequant", target
+    if src_dtype in _FLOATS and src_dtype != target:
+        return "cast", target
+    return "none", src_dtype
+
+
+def cast(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    return t.to(getattr(torch, dtype))
+
+
+def dequant_slice(w: torch.Tensor, scale_rows: torch.Tensor, block: tuple[int, int], dim: int | None,
+                  start: int, dtype: str) -> torch.Tensor:
+    """Dequantize a slice of an FP8 weight, vectorized in row chunks.
+
+    ``w`` is the slice ([start, start + w.shape[dim]) along dim, or the whole weight when dim is None);
+    ``scale_rows`` the scale blocks covering it: along dim the blocks from ``start // block[dim]``.
+    """
+    bm, bn = block
+    rows, cols = w.shape
+    r0 = start if dim == 0 else 0
+    c0 = start if dim == 1 else 0
+    row_off, col_off = r0 - (r0 // bm) * bm, c0 - (c0 // bn) * bn
+    out = torch.empty((rows, cols), dtype=getattr(torch, dtype))
+    # one scale per column of the slice, for every scale row
+    col_scale = scale_rows.repeat_interleave(bn, dim=1)[:, col_off:col_off + cols]  # [rb, cols]
+    step = max(bm, (_CHUNK_BYTES // max(1, cols * 4)) // bm * bm)
+    i = 0
+    while i < rows:
+        # rows [i, j) of the slice: the first chunk ends at a block edge so that later ones are aligned
+        j = min(rows, i + step - ((row_off + i) % bm))
+        g0 = (row_off + i) // bm
+        g1 = ceil_div(row_off + j, bm)
+        s = col_scale[g0:g1].repeat_interleave(bm, dim=0)
+        lo = (row_off + i) - g0 * bm
+        out[i:j] = (w[i:j].float() * s[lo:lo + (j - i)]).to(out.dtype)
+        i = j
+    return out
+
+
+def reference_dequant(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: str) -> torch.Tensor:
+    """The reference formula on a whole weight: pad to whole blocks, multiply per block, crop, cast."""
+    bm, bn = block
+    rows, cols = w.shape
+    rb, cb = ceil_div(rows, bm), ceil_div(cols, bn)
+    padded = torch.zeros(rb * bm, cb * bn, dtype=torch.float32)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(rb, bm, cb, bn) * scale.float().view(rb, 1, cb, 1)
+    return blocks.view(rb * bm, cb * bn)[:rows, :cols].to(getattr(torch, dtype))

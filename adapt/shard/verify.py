@@ -1,0 +1,228 @@
+"""``verify()``: is a sharded output complete and intact, and (with the source) does it equal the source?
+
+Checks, each reported as a typed problem naming the file or tensor:
+  manifest   present, well-formed, digest intact; its slices are the ones adapt.plan gives
+  files      every output file present, of its size and sha256, its header holding exactly its tensors;
+             no stray safetensors files in the rank directories; config/tokenizer files intact
+  source     (with ``source``) every checkpoint tensor re-assembled from the slices of all ranks covers the
+             whole tensor, and every slice equals the source slice: bitwise for slicing and casts, and
+             bitwise against ``reference_dequant`` (w.float() * scale per block) for FP8
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from adapt.errors import AdaptError
+from adapt.layout import WeightLayout
+from adapt.plan import ParallelPlan, scale_slice, tensor_slice
+from adapt.shard.checkpoint import IGNORED_SUFFIXES, open_checkpoint
+from adapt.shard.header import read_header
+from adapt.shard.manifest import Manifest, OutputTensor, check_rel_path, load_manifest
+from adapt.shard.transform import reference_dequant
+from adapt.shard.writer import sha256_file
+from adapt.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: str  # manifest | missing | size | sha256 | header | extra-file | extra-tensor | plan | source | ...
+    target: str  # the file or tensor
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.kind}: {self.target}: {self.detail}"
+
+
+@dataclass
+class VerifyReport:
+    out_dir: Path
+    problems: list[Problem] = field(default_factory=list)
+    files_checked: int = 0
+    tensors_compared: int = 0
+    source_checked: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, kind: str, target: str, detail: str) -> None:
+        self.problems.append(Problem(kind, target, detail))
+
+    def to_dict(self) -> dict:
+        return dict(out=str(self.out_dir), ok=self.ok, files_checked=self.files_checked,
+                    tensors_compared=self.tensors_compared, source_checked=self.source_checked,
+                    problems=[p.__dict__ for p in self.problems])
+
+
+def verify(out_dir: str | Path, source: str | Path | None = None, allow_pickle: bool = False) -> VerifyReport:
+    """Verify OUT against its manifest, and against the source checkpoint when given."""
+    out = Path(out_dir)
+    rep = VerifyReport(out)
+    try:
+        m = load_manifest(out)
+    except AdaptError as e:
+        rep.add("manifest", str(out / "manifest.json"), str(e))
+        return rep
+    _check_plan(m, rep)
+    good = _check_files(m, out, rep)
+    if source is not None:
+        try:
+            _check_source(m, out, Path(source), good, rep, allow_pickle)
+        except AdaptError as e:
+            rep.add("source", str(source), str(e))
+    return rep
+
+
+def _check_plan(m: Manifest, rep: VerifyReport) -> None:
+    try:
+        spec = ModelSpec.from_hf_config(m.source_config)
+        layout = WeightLayout.from_spec(spec)
+        plan = ParallelPlan.from_dict(m.plan, spec, source="manifest plan")
+    except AdaptError as e:
+        rep.add("manifest", "plan", str(e))
+        return
+    block = spec.quant.block_size if spec.quant else None
+    present = {t.source for f in m.files for t in f.tensors} | {t.scale for f in m.files for t in f.tensors if t.scale}
+    for t in layout:
+        if not t.mtp and t.name not in present:
+            rep.add("plan", t.name, "no rank holds this tensor")
+    for f in m.files:
+        for t in f.tensors:
+            spec_t = layout.by_name.get(t.source)
+            if spec_t is None:
+                rep.add("plan", t.name, f"in {f.path} but not a tensor of the {spec.model_type} layout")
+                continue
+            weight = layout.by_name[spec_t.scale_of] if spec_t.scale_of else spec_t
+            ws = tensor_slice(weight, plan, f.rank, spec)
+            want = None if ws is None else (scale_slice(ws, spec_t, block) if spec_t.scale_of else ws)
+            if want != t.slice or t.name != t.source:
+                rep.add("plan", t.name, f"rank {f.rank} holds {_fmt(t.slice)} but the plan gives "
+                        f"{'nothing' if want is None else _fmt(want)}")
+
+
+def _fmt(s) -> str:
+    return "the whole tensor" if s.whole else f"dim {s.dim} [{s.start}, {s.stop})"
+
+
+def _check_files(m: Manifest, out: Path, rep: VerifyReport) -> set[str]:
+    good = set()
+    listed = {f.path for f in m.files}
+    for d in sorted({f.path.split("/")[0] for f in m.files} | {p.name for p in out.glob("rank-*") if p.is_dir()}):
+        for p in sorted((out / d).glob("*.safetensors")):
+            if f"{d}/{p.name}" not in listed:
+                rep.add("extra-file", f"{d}/{p.name}", "not in the manifest")
+    for e in m.extra_files:
+        _check_one(out, e["path"], e["size"], e["sha256"], rep, "file")
+    for f in m.files:
+        rep.files_checked += 1
+        path = check_rel_path(f.path, out, "rank")
+        if not _check_one(out, f.path, f.size, f.sha256, rep, "rank"):
+            if not path.is_file():
+                continue
+        else:
+            good.add(f.path)
+        try:
+            h = read_header(path)
+        except AdaptError as e:
+            rep.add("header", f.path, str(e).replace(f"{path}: ", ""))
+            good.discard(f.path)
+            continue
+        want = {t.name: t for t in f.tensors}
+        for name in h.tensors.keys() - want.keys():
+            rep.add("extra-tensor", f"{f.path}:{name}", "tensor not in the manifest")
+        for name in want.keys() - h.tensors.keys():
+            rep.add("missing-tensor", f"{f.path}:{name}", "tensor listed in the manifest is absent")
+        for name in want.keys() & h.tensors.keys():
+            e, t = h.tensors[name], want[name]
+            if e.shape != t.shape or e.dtype != t.dtype:
+                rep.add("header", f"{f.path}:{name}", f"{list(e.shape)} {e.dtype}, manifest says "
+                        f"{list(t.shape)} {t.dtype}")
+    return good
+
+
+def _check_one(out: Path, rel: str, size: int, sha: str, rep: VerifyReport, kind: str) -> bool:
+    path = check_rel_path(rel, out, kind)
+    if not path.is_file():
+        rep.add("missing", rel, "file is absent")
+        return False
+    got = path.stat().st_size
+    if got != size:
+        rep.add("size", rel, f"{got} bytes, manifest says {size}" + (" (truncated)" if got < size else ""))
+        return False
+    if sha256_file(path) != sha:
+        rep.add("sha256", rel, "content does not match its sha256")
+        return False
+    return True
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _check_source(m: Manifest, out: Path, src: Path, good: set[str], rep: VerifyReport, allow_pickle: bool) -> None:
+    from safetensors import safe_open
+
+    ckpt, _ = open_checkpoint(src, allow_pickle)
+    rep.source_checked = True
+    by_name = {s["name"]: s for s in m.source_files}
+    for f in ckpt.files:
+        want = by_name.get(f)
+        if want is None:
+            rep.add("source", f, "source file not in the manifest")
+        elif sha256_file(src / f) != want["sha256"]:
+            rep.add("source", f, "source file sha256 differs from the one sharded")
+    pieces: dict[str, list[tuple[str, OutputTensor]]] = {}
+    for f in m.files:
+        for t in f.tensors:
+            pieces.setdefault(t.source, []).append((f.path, t))
+    scales = {t.scale for ps in pieces.values() for _, t in ps if t.scale}
+    for name in ckpt.tensors:
+        if name not in pieces and name not in scales and not name.endswith(IGNORED_SUFFIXES):
+            rep.add("source", name, "source tensor is in no output file")
+    block = tuple(m.block_size) if m.block_size else None
+    handles: dict[str, object] = {}
+    for name in sorted(pieces, key=lambda n: (ckpt.tensors[n].file if n in ckpt.tensors else "", n)):
+        if name not in ckpt.tensors:
+            rep.add("source", name, "tensor is not in the source checkpoint")
+            continue
+        full = ckpt.read(name)
+        covered: list[tuple[int, int]] = []
+        s0 = pieces[name][0][1].slice
+        dim_n = (full.shape[0] if full.dim() else 1) if s0.whole else full.shape[s0.dim]
+        for path, t in pieces[name]:
+            if path not in good:
+                continue  # already reported
+            if t.transform == "none":
+                ref = full
+            elif t.transform == "cast":
+                ref = full.to(getattr(torch, t.dtype))
+            elif t.transform == "fp8_block_dequant" and block and t.scale in ckpt.tensors:
+                ref = reference_dequant(full, ckpt.read(t.scale), block, t.dtype)
+            else:
+                rep.add("source", t.name, f"cannot check transform {t.transform!r}")
+                continue
+            s = t.slice
+            want = ref if s.whole else ref.narrow(s.dim, s.start, s.stop - s.start)
+            if path not in handles:
+                handles[path] = safe_open(str(out / path), framework="pt")
+            got = handles[path].get_tensor(t.name)
+            rep.tensors_compared += 1
+            if not _bitwise_equal(got, want):
+                rep.add("source", f"{path}:{t.name}", f"differs from source {_fmt(s)} after {t.transform}")
+            covered.append((0, dim_n) if s.whole else (s.start, s.stop))
+        if pieces[name] and all(p in good for p, _ in pieces[name]):
+            pos = 0
+            for a, b in sorted(covered):
+                if a > pos:
+                    break
+                pos = max(pos, b)
+            if pos < dim_n:
+                rep.add("source", name, f"the slices of all ranks cover [0, {pos}) of {dim_n}")
