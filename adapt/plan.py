@@ -17,8 +17,12 @@ writes by it and the runtime loads by it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
+
+import yaml
 
 from adapt.errors import PlanError
 from adapt.layout import TensorSpec, WeightLayout
@@ -170,9 +174,21 @@ class ParallelPlan:
         if not isinstance(dpn, int) or dpn < 1:
             raise PlanError(f"{source}: 'devices_per_node' must be a positive integer")
         ranges = d.get("layer_ranges")
+        if ranges is not None and (not isinstance(ranges, list) or not all(
+                isinstance(r, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+                for r in ranges)):
+            raise PlanError(f"{source}: 'layer_ranges' must be a list of [start, stop] integer pairs")
+        for key in ("num_experts", "nodes"):
+            if key in d and not isinstance(d[key], int):
+                raise PlanError(f"{source}: '{key}' must be an integer, got {d[key]!r}")
         if spec is None:
             raise PlanError(f"{source}: a model spec is needed to check the plan")
         plan = cls.build(spec, **vals, devices_per_node=dpn, layer_ranges=ranges, model=str(d.get("model", "")))
+        if "num_experts" in d and d["num_experts"] != plan.num_experts:
+            raise PlanError(f"{source}: 'num_experts' is {d['num_experts']} but the model has {plan.num_experts}")
+        if "nodes" in d and d["nodes"] != plan.nodes:
+            raise PlanError(f"{source}: 'nodes' is {d['nodes']} but world size {plan.world_size} over "
+                            f"{plan.devices_per_node} devices per node needs {plan.nodes}")
         if "ranks" in d:
             _check_rank_map(d["ranks"], plan, source)
         return plan
@@ -207,13 +223,27 @@ def check_divisibility(spec: ModelSpec, tp: int, pp: int, ep: int, dp: int) -> N
         divide(m.shared_intermediate_size, tp, "shared expert intermediate size over tp")
 
 
-def balanced_stages(spec: ModelSpec, pp: int) -> tuple[tuple[int, int], ...]:
-    """Contiguous layer ranges, balanced by weight bytes per layer (MoE layers weigh more)."""
-    layout = WeightLayout.from_spec(spec)
+@functools.lru_cache(maxsize=16)
+def layout_of(spec: ModelSpec) -> WeightLayout:
+    """The WeightLayout of a spec, built once per spec (a Kimi-K2 layout has 140k rows)."""
+    return WeightLayout.from_spec(spec)
+
+
+@functools.lru_cache(maxsize=16)
+def layer_costs(spec: ModelSpec) -> tuple[int, ...]:
+    """Weights (elements) per decoder layer, the cost ``balanced_stages`` balances."""
     cost = [0] * spec.num_layers
-    for t in layout:
+    for t in layout_of(spec):
         if t.layer is not None and t.layer < spec.num_layers and t.is_param:
             cost[t.layer] += t.numel
+    return tuple(cost)
+
+
+def balanced_stages(spec: ModelSpec, pp: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous layer ranges, balanced by weight bytes per layer (MoE layers weigh more)."""
+    if pp > spec.num_layers:
+        raise PlanError(f"layers over pp: {spec.num_layers} layers cannot fill {pp} stages")
+    cost = layer_costs(spec)
     # embedding / lm_head weigh on the first / last stage
     edge = spec.vocab_size * spec.hidden_size
     total = sum(cost) + edge * (1 if spec.tie_word_embeddings else 2)
@@ -349,3 +379,88 @@ def scale_slice(weight_slice: TensorSlice, scale: TensorSpec, block: tuple[int, 
                         f"{weight_slice.dim} is not aligned to the {b}-wide FP8 scale blocks; "
                         "dequantize (--dtype bf16) or choose a smaller degree")
     return TensorSlice(scale.name, weight_slice.dim, weight_slice.start // b, ceil_div(weight_slice.stop, b))
+
+
+def plan_to_yaml(plan: ParallelPlan, extra: dict[str, Any] | None = None) -> str:
+    """plan.yaml text: degrees, layer ranges and the explicit rank map (plus ``extra`` top-level keys such as
+    ``estimates``, ``cluster``, ``workload``). Ranks are written one flow mapping a line."""
+    d = plan.to_dict()
+    ranks = d.pop("ranks")
+    d.update(extra or {})
+    head = yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=120)
+    lines = ["ranks:"]
+    for r in ranks:
+        lines.append("- " + yaml.safe_dump(r, default_flow_style=True, sort_keys=False, width=10**9).strip())
+    return head + "\n".join(lines) + "\n"
+
+
+def load_plan(path: str | Path, spec: ModelSpec) -> ParallelPlan:
+    """Read and check a plan.yaml (hand-written or from ``adapt plan --out``); errors name the file and field."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {p}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise PlanError(f"{p}: malformed YAML ({str(e).splitlines()[0]})") from e
+    return ParallelPlan.from_dict(data, spec, source=str(p))
+
+
+@dataclass(frozen=True)
+class CoverageReport:
+    """What ``coverage`` found: every tensor tiled exactly once per replica."""
+
+    tensors: int  # weight tensors of the layout (FP8 scale tensors excluded; they follow their weight)
+    numel: int  # elements of one replica: the sum of the distinct shards, equal to the model's
+    slices: int  # (rank, tensor) pairs the plan assigns
+    replicas: dict[str, int] = field(default_factory=dict)  # split kind -> copies of each element (min..max)
+
+
+def coverage(layout: WeightLayout, plan: ParallelPlan) -> CoverageReport:
+    """Check that the plan's rank map covers every tensor of the layout exactly once per replica.
+
+    For each weight tensor, the slices ``rank_tensors`` assigns (over all ranks) must be either all whole or
+    all along one dim; the distinct intervals must tile the dim with no gap or overlap, and each must occur
+    the same number of times (the replica count). The sum of one replica's shards is then the tensor.
+    ``adapt shard`` verify and the planner's tests both call this. Raises PlanError naming the tensor.
+    """
+    held: dict[str, list[TensorSlice]] = {}
+    n_slices = 0
+    for r in range(plan.world_size):
+        for t, s in rank_tensors(layout, plan, r):
+            held.setdefault(t.name, []).append(s)
+            n_slices += 1
+    numel, tensors, reps = 0, 0, {}
+    for t in layout:
+        if t.scale_of is not None:
+            continue
+        tensors += 1
+        slices = held.get(t.name)
+        if not slices:
+            raise PlanError(f"coverage: tensor {t.name} is held by no rank of {plan.label()}")
+        dims = {s.dim for s in slices}
+        if len(dims) != 1:
+            raise PlanError(f"coverage: tensor {t.name} is held whole by some ranks and sliced by others")
+        dim = dims.pop()
+        if dim is None:
+            k = len(slices)
+        else:
+            count: dict[tuple[int, int], int] = {}
+            for s in slices:
+                count[(s.start, s.stop)] = count.get((s.start, s.stop), 0) + 1
+            pos = 0
+            for a, b in sorted(count):
+                if a != pos:
+                    kind = "gap" if a > pos else "overlap"
+                    raise PlanError(f"coverage: tensor {t.name} dim {dim}: {kind} at [{min(a, pos)}, {max(a, pos)})")
+                pos = b
+            if pos != t.shape[dim]:
+                raise PlanError(f"coverage: tensor {t.name} dim {dim}: covered up to {pos} of {t.shape[dim]}")
+            ks = set(count.values())
+            if len(ks) != 1:
+                raise PlanError(f"coverage: tensor {t.name}: shards held an unequal number of times {sorted(ks)}")
+            k = ks.pop()
+        lo, hi = reps.get(t.split, (k, k))
+        reps[t.split] = (min(lo, k), max(hi, k))
+        numel += t.numel
+    return CoverageReport(tensors, numel, n_slices, {k: v[0] if v[0] == v[1] else v for k, v in reps.items()})
