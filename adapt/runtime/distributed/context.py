@@ -2,9 +2,11 @@
 
 Every rank creates every group (tp, stage, pp, dp, in that order; see ``group_ranks``), as
 ``torch.distributed.new_group`` requires. Groups of one rank are never created: their collectives are
-the identity and move no bytes. Every collective counts the payload it sends from this rank (the
-input tensor of all_reduce / all_gather / send, the dispatched rows of all_to_all) under
-``"<collective>.<group>"``, cumulatively in ``bytes_by_collective`` and per engine step (``step``).
+the identity and move no bytes. Every collective counts the bytes this rank sends, by the planner's
+convention (adapt.profile.planner.comm): ring all-reduce ``2(n-1)/n x size``, all-gather ``(n-1) x
+local size``, all-to-all the rows sent to other ranks, send the tensor; under ``"<collective>.<group>"``,
+cumulatively in ``bytes_by_collective`` and per engine step (``step``). The count exchange before an
+all-to-all is control traffic and not counted.
 A collective that fails or passes ``timeout_s`` raises DistributedError naming the rank, the
 collective and the group's ranks.
 """
@@ -12,6 +14,7 @@ collective and the group's ranks.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,7 +103,11 @@ class DistributedContext(ParallelContext):
         self.steps.append((kind, {}))
 
     def count(self, name: str, t: torch.Tensor) -> None:
-        n = t.numel() * t.element_size()
+        self.account(name, t.numel() * t.element_size())
+
+    def account(self, name: str, n: int) -> None:
+        """Add n bytes sent to collective ``name`` (cumulative and current step)."""
+        n = int(round(n))
         self.bytes_by_collective[name] = self.bytes_by_collective.get(name, 0) + n
         if self.steps:
             d = self.steps[-1][1]
@@ -116,7 +123,8 @@ class DistributedContext(ParallelContext):
         if self.group_size(group) == 1:
             return x
         y = x.contiguous()
-        self.count(f"all_reduce.{group}", y)
+        n = self.group_size(group)
+        self.account(f"all_reduce.{group}", 2 * (n - 1) / n * y.numel() * y.element_size())
         try:
             dist.all_reduce(y, group=self._pg(group))
         except RuntimeError as e:
@@ -128,7 +136,7 @@ class DistributedContext(ParallelContext):
         if n == 1:
             return x
         y = x.contiguous()
-        self.count(f"all_gather.{group}", y)
+        self.account(f"all_gather.{group}", (n - 1) * y.numel() * y.element_size())
         outs = [torch.empty_like(y) for _ in range(n)]
         try:
             dist.all_gather(outs, y, group=self._pg(group))
@@ -136,10 +144,11 @@ class DistributedContext(ParallelContext):
             raise self._fail("all_gather", group, e) from e
         return torch.cat(outs, dim=dim)
 
-    def all_to_all(self, x: torch.Tensor, send_counts: list[int], group: str = "stage"
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], group: str = "stage", tag: str = "all_to_all"
                    ) -> tuple[torch.Tensor, list[int]]:
         """Rows of x (dim 0) in order of destination, send_counts[i] rows to the group's i-th rank.
-        Counts are exchanged first (all_to_all of one int64 per peer), then the rows."""
+        Counts are exchanged first (all_to_all of one int64 per peer), then the rows; the bytes go to
+        ``"<tag>.<group>"`` (routing metadata uses its own tag so that data bytes compare with the plan)."""
         n = self.group_size(group)
         if n == 1:
             return x, list(send_counts)
@@ -154,7 +163,8 @@ class DistributedContext(ParallelContext):
             dist.all_to_all_single(recv_t, send_t, group=pg)
             recv_counts = [int(c) for c in recv_t.tolist()]
             out = y.new_empty((sum(recv_counts), *y.shape[1:]))
-            self.count(f"all_to_all.{group}", y)
+            row = math.prod(y.shape[1:]) * y.element_size()
+            self.account(f"{tag}.{group}", (sum(send_counts) - send_counts[self.group_rank(group)]) * row)
             dist.all_to_all_single(out, y, recv_counts, list(send_counts), group=pg)
         except RuntimeError as e:
             raise self._fail("all_to_all", group, e) from e

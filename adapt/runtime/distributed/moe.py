@@ -1,0 +1,89 @@
+"""Expert-parallel MoE: tokens dispatched to the ranks holding their experts with all-to-all, combined back.
+
+# Legend: T tokens of this dp replica, t this rank's share (T split over tp), K top-k, H hidden,
+# n ranks of the stage (tp x dp), P (token, expert) pairs this rank dispatches, R rows it receives.
+
+The scheme is the planner's (adapt.profile.planner.comm): the tp ranks of a replica split its tokens;
+each (token, expert) pair goes, as one hidden row, to the ``moe_tp`` ranks that hold slices of that
+expert (stage-local ranks ``s`` with ``s % ep == expert // (E/ep)``); they return the unweighted partial
+expert outputs on the same rows; the source weights and sums them. One tp all-reduce then reassembles
+the replica's tokens and adds the shared expert's row-parallel partial. ``install`` puts this forward
+on every MoE layer of a model built for a context whose stage spans more than its tp group
+(ep > 1 or dp > 1); the single-rank MoE forward stays as it is.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from .context import DistributedContext
+
+
+def install(model: torch.nn.Module, ctx: DistributedContext) -> int:
+    """Route every MoE layer of ``model`` through all-to-all dispatch; returns how many were patched."""
+    from adapt.runtime.models.moe import MoE
+
+    if ctx.plan is None or (ctx.ep_size == 1 and ctx.dp_size == 1):
+        return 0
+    n = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.forward = types.MethodType(ep_forward, m)
+            n += 1
+    return n
+
+
+def ep_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+    """MoE.forward under expert parallelism (bound to a MoE module by ``install``)."""
+    ctx: DistributedContext = self.ctx
+    plan, k = ctx.plan, batch.kernels
+    weights, ids = self.route(x, batch)  # [T, K] float32, [T, K] global ids
+    T, H = x.shape
+    K = ids.shape[1]
+    chunk = torch.tensor_split(torch.arange(T, device=x.device), ctx.tp_size)[ctx.tp_rank]  # [t]
+    ids_c, w_c = ids[chunk], weights[chunk].float()  # [t, K]
+    n, ep, moe_tp = ctx.group_size("stage"), plan.ep, plan.moe_tp
+    per = plan.num_experts // ep
+    flat = ids_c.reshape(-1).long()  # [t*K]
+    owner = flat // per  # ep index of each pair's expert
+    # destination s holds slice s // ep of experts with ep index s % ep
+    order, counts = [], []
+    for s in range(n):
+        sel = torch.nonzero(owner == s % ep).squeeze(1)
+        order.append(sel)
+        counts.append(int(sel.numel()))
+    order_t = torch.cat(order)  # [P * moe_tp / ...] pair index of each sent row
+    rows = x[chunk][order_t // K]  # [P, H]
+    recv_x, recv_counts = ctx.all_to_all(rows, counts, "stage")
+    recv_ids, _ = ctx.all_to_all(flat[order_t], counts, "stage", tag="all_to_all_meta")
+    ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
+    y = k.moe_experts(recv_x, ones, recv_ids[:, None], self.w_gate, self.w_up, self.w_down, self.expert_offset)
+    back, _ = ctx.all_to_all(y, recv_counts, "stage")  # [P, H] partial outputs, in our send order
+    out_c = torch.zeros(chunk.numel(), H, dtype=torch.float32, device=x.device)
+    w_rows = w_c.reshape(-1)[order_t]
+    out_c.index_add_(0, order_t // K, back.float() * w_rows[:, None])
+    del moe_tp
+    shared = None
+    if self.shared is not None:
+        sh = self.shared
+        shared = F.linear(k.silu_and_mul(sh.gate_up(x)), sh.down.weight)  # [T, H] tp partial
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(F.linear(x, self.shared_gate.weight)) * shared
+    if ctx.tp_size == 1:
+        out = out_c.to(x.dtype)
+        if shared is not None:
+            out = out + shared
+    else:
+        out = torch.zeros(T, H, dtype=x.dtype, device=x.device)
+        out[chunk] = out_c.to(x.dtype)
+        if shared is not None:
+            out = out + shared
+        out = ctx.all_reduce(out, "tp")
+    if self.shared is not None and self.shared.down.bias is not None:
+        bias = self.shared.down.bias
+        out = out + (torch.sigmoid(F.linear(x, self.shared_gate.weight)) * bias if self.shared_gate is not None
+                     else bias)
+    return out
