@@ -1,0 +1,261 @@
+"""The inference engine: load a model, then generate for a batch of prompts over a paged KV cache.
+
+Library API (``adapt run`` is a thin layer over it)::
+
+    eng = Engine.from_pretrained("tiny-k2" | CHECKPOINT_DIR | SHARD_DIR, device="cpu", dtype="float32")
+    results = eng.generate([[1, 2, 3], [1, 5]], SamplingParams(temperature=0, max_tokens=32))
+    results[0].token_ids, results[0].text, eng.last_stats
+    logits = eng.prefill_logits([1, 2, 3])                     # [T, V] float32, no cache involved
+    out = eng.prefill([1, 2, 3], return_hidden_states=True)   # out.logits, out.hidden_states[name]
+
+``hidden_states`` names are listed in adapt/runtime/models/decoder.py (embed, layers.{i}.input_norm,
+layers.{i}.attn, layers.{i}.post_attn_norm, layers.{i}.router_logits, layers.{i}.mlp, layers.{i}, norm).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from adapt.errors import RuntimeConfigError
+from adapt.layout import WeightLayout
+from adapt.runtime.cache.block_manager import BlockManager
+from adapt.runtime.cache.kv_pool import KVCacheSpec, KVPool, available_memory_bytes
+from adapt.runtime.kernels import get_kernels
+from adapt.runtime.loader import load_weights, materialize
+from adapt.runtime.model_runner import ModelRunner
+from adapt.runtime.models.batch import ForwardBatch
+from adapt.runtime.models.registry import model_class
+from adapt.runtime.parallel import SINGLE, ParallelContext
+from adapt.runtime.sampling import SamplingParams, make_generator, sample
+from adapt.runtime.scheduler import Scheduler
+from adapt.runtime.checkpoint import open_model
+from adapt.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 512 << 20  # on CPU the default budget is capped: free RAM is shared with the weights
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_memory(value: str | int | float | None) -> tuple[int | None, float | None]:
+    """'2GiB' / '512MiB' / '1000000' -> (bytes, None); '0.5' (a number <= 1) -> (None, fraction of free)."""
+    if value is None:
+        return None, None
+    if isinstance(value, (int, float)):
+        return (None, float(value)) if 0 < value <= 1 else (int(value), None)
+    s = str(value).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        x = float(num)
+    except ValueError:
+        x = None
+    if x is None or unit not in _UNITS or x <= 0 or not math.isfinite(x):
+        raise RuntimeConfigError(f"--kv-cache-memory: cannot parse {value!r}; give bytes (e.g. 2GiB, 512MiB, "
+                                 "1000000) or a fraction of free memory in (0, 1]")
+    if not unit and x <= 1:
+        return None, x
+    return int(x * _UNITS[unit]), None
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise RuntimeConfigError(f"--dtype must be one of float32, bfloat16, float16; got {name!r}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str | torch.device, dtype: torch.dtype) -> torch.device:
+    """The torch device, checked to exist and to compute in dtype; one-line errors otherwise."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise RuntimeConfigError(f"--device {name!r} is not a torch device string ({e})") from None
+    try:
+        a = torch.ones(4, 4, dtype=dtype, device=dev)
+        (a @ a).sum().item()
+    except (RuntimeError, AssertionError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeConfigError(f"device {str(dev)!r} cannot run {str(dtype).replace('torch.', '')}: {first}") from None
+    return dev
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's outcome; ``text`` is None without a tokenizer."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class PrefillOutput:
+    logits: torch.Tensor  # [T, V] float32
+    hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Engine:
+    """A loaded model, its kernels and KV pool. Build with :meth:`from_pretrained`."""
+
+    def __init__(self, model, spec: ModelSpec, ctx: ParallelContext, kernels, device: torch.device,
+                 dtype: torch.dtype, pool: KVPool, block_size: int, tokenizer=None, eos_token_ids=(),
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 path: Path | None = None):
+        self.model, self.spec, self.ctx, self.kernels = model, spec, ctx, kernels
+        self.device, self.dtype, self.pool, self.tokenizer = device, dtype, pool, tokenizer
+        self.block_manager = BlockManager(pool.num_blocks, block_size)
+        self.runner = ModelRunner(model, kernels, device, pool)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.path = path
+        self.last_stats: dict = {}
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+                        kernels: str = "adapt", ctx: ParallelContext = SINGLE, kv_cache_memory: str | int | None = None,
+                        kv_cache_dtype: str = "auto", block_size: int = 16, max_num_seqs: int = 256,
+                        max_num_batched_tokens: int = 8192, max_model_len: int | None = None) -> "Engine":
+        """Load a checkpoint dir, an ``adapt shard`` output dir or a built-in name for ``ctx``'s rank.
+
+        kv_cache_memory: bytes, a size string ('2GiB') or a fraction of free memory ('0.5'); default 90% of
+        free device memory (CPU: at most 512 MiB). kv_cache_dtype: 'auto' (the model dtype) or 'int8'.
+        """
+        tdtype = resolve_dtype(dtype)
+        dev = resolve_device(device, tdtype)
+        if kv_cache_dtype not in ("auto", "int8"):
+            raise RuntimeConfigError(f"--kv-cache-dtype must be auto or int8; got {kv_cache_dtype!r}")
+        k = get_kernels(kernels) if kernels in ("adapt", "reference") else None
+        if k is None:
+            raise RuntimeConfigError(f"--kernels must be adapt or reference; got {kernels!r}")
+        src = open_model(model, ctx)
+        spec = src.spec
+        layout = WeightLayout.from_spec(spec)
+        with torch.device("meta"):
+            net = model_class(spec)(spec, layout, ctx, k)
+        materialize(net, dev, tdtype)
+        load_weights(net, spec, layout, ctx, src.reader, presliced=src.presliced)
+        net.eval()
+        max_len = max_model_len or spec.max_position_embeddings
+        pool = _make_pool(spec, net, ctx, dev, tdtype, kv_cache_memory, kv_cache_dtype, block_size, max_len,
+                          max_num_seqs)
+        return cls(net, spec, ctx, k, dev, tdtype, pool, block_size, src.tokenizer, src.eos_token_ids,
+                   max_num_seqs, max_num_batched_tokens, max_len, src.path)
+
+    # -- generation -----------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[GenerationResult]:
+        """Generate for every prompt (token ids) as one batch; results in prompt order."""
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RuntimeConfigError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
+        detok = self.tokenizer.decode if self.tokenizer is not None else None
+        sched = Scheduler(self.block_manager, max_num_seqs=self.max_num_seqs,
+                          max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                          eos_token_ids=self.eos_token_ids, detokenize=detok)
+        for p in prompts:
+            bad = [t for t in p if not 0 <= int(t) < self.spec.vocab_size]
+            if bad:
+                raise RuntimeConfigError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        seqs = [sched.add([int(t) for t in p], sp) for p, sp in zip(prompts, plist)]
+        gens = {s.seq_id: make_generator(sp, self.device) for s, sp in zip(seqs, plist)}
+        st = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, steps=0, peak_blocks=0,
+                  preemptions=0)
+        t_start = time.perf_counter()
+        first_token_s = None
+        while sched.has_unfinished:
+            sb = sched.schedule()
+            if sb is None:
+                raise RuntimeConfigError("the scheduler cannot admit any waiting sequence (KV cache too small)")
+            t0 = time.perf_counter()
+            logits = self.runner.step(sb)
+            out = sample(logits, [s.params for s in sb.seqs], [gens[s.seq_id] for s in sb.seqs])
+            tokens = out.token_ids.tolist()
+            dt = time.perf_counter() - t0
+            st["peak_blocks"] = max(st["peak_blocks"], self.block_manager.usage().used_blocks)
+            st["preemptions"] += len(sb.preempted)
+            key = "prefill" if sb.kind == "prefill" else "decode"
+            st[f"{key}_tokens"] += sb.num_tokens
+            st[f"{key}_s"] += dt
+            st["steps"] += 1
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - t_start
+            sched.postprocess(sb.seqs, tokens)
+        self.last_stats = self._stats(st, time.perf_counter() - t_start, first_token_s)
+        return [GenerationResult(s.prompt_ids, list(s.output_ids), s.text, s.finish_reason, s.stop_reason)
+                for s in seqs]
+
+    def _stats(self, st: dict, total_s: float, ttft: float | None) -> dict:
+        bpt = self.pool.bytes_per_token
+        bs = self.block_manager.block_size
+        return {
+            "prefill_tokens": st["prefill_tokens"], "prefill_s": round(st["prefill_s"], 6),
+            "prefill_tokens_per_s": round(st["prefill_tokens"] / st["prefill_s"], 2) if st["prefill_s"] else None,
+            "decode_tokens": st["decode_tokens"], "decode_s": round(st["decode_s"], 6),
+            "decode_tokens_per_s": round(st["decode_tokens"] / st["decode_s"], 2) if st["decode_s"] else None,
+            "time_to_first_token_s": round(ttft, 6) if ttft is not None else None,
+            "total_s": round(total_s, 6), "steps": st["steps"], "preemptions": st["preemptions"],
+            "kv_cache": {
+                "dtype": "int8" if self.pool.spec.quant == "int8" else str(self.pool.spec.dtype).replace("torch.", ""),
+                "block_size": bs, "blocks_total": self.pool.num_blocks, "blocks_peak_used": st["peak_blocks"],
+                "blocks_used_after": self.block_manager.usage().used_blocks,
+                "bytes_per_token": bpt, "pool_bytes": self.pool.total_bytes,
+                "peak_used_bytes": st["peak_blocks"] * bs * bpt,
+                "peak_usage_fraction": round(st["peak_blocks"] / self.pool.num_blocks, 6),
+            },
+        }
+
+    # -- validation hooks -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int], return_hidden_states: bool = False) -> PrefillOutput:
+        """Logits of every position [T, V] (float32) of one prompt, computed without the cache; with
+        ``return_hidden_states`` every captured intermediate too (see the module docstring)."""
+        ids = torch.tensor([int(t) for t in token_ids], dtype=torch.long, device=self.device)
+        n = ids.shape[0]
+        if n == 0:
+            raise RuntimeConfigError("prefill needs at least one token")
+        fb = ForwardBatch("prefill", torch.arange(n, device=self.device), self.kernels,
+                          cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                          capture={} if return_hidden_states else None, attn_tiles=(128, 256) if n <= 1024 else (512, 1024))
+        logits = self.runner.execute(ids, fb, None)
+        return PrefillOutput(logits, fb.capture or {})
+
+    def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """[T, V] float32 logits of every position of one prompt."""
+        return self.prefill(token_ids).logits
+
+
+def _make_pool(spec: ModelSpec, net, ctx: ParallelContext, dev: torch.device, dtype: torch.dtype, memory,
+               kv_dtype: str, block_size: int, max_len: int, max_num_seqs: int) -> KVPool:
+    start, stop = net.layer_range
+    n_layers = max(1, stop - start)
+    quant = "int8" if kv_dtype == "int8" else None
+    a = spec.attention
+    if a.kind == "mla":
+        kspec = KVCacheSpec.mla(n_layers, a.kv_lora_rank, a.qk_rope_head_dim, dtype, quant=quant)
+    else:
+        kspec = KVCacheSpec.mha(n_layers, max(1, a.num_kv_heads // ctx.tp_size), a.head_dim, dtype, a.v_head_dim,
+                                quant=quant)
+    nbytes, fraction = parse_memory(memory)
+    if nbytes is None:
+        free = available_memory_bytes(dev) if dev.type in ("cpu", "cuda") else None
+        if free is None:
+            raise RuntimeConfigError(f"cannot measure free memory on {dev.type!r}; pass --kv-cache-memory BYTES")
+        nbytes = int(free * (fraction if fraction is not None else 0.9))
+        if dev.type == "cpu" and fraction is None:
+            nbytes = min(nbytes, DEFAULT_CPU_KV_BYTES)
+    max_blocks = -(-max_len // block_size) * max_num_seqs
+    return KVPool.from_budget(kspec, block_size, dev, memory_bytes=nbytes, max_blocks=max_blocks)

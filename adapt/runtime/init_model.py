@@ -1,0 +1,82 @@
+"""Deterministic tiny checkpoints of the built-in configs, in HF layout, for demos, tests and day0.
+
+``init_model(name, out_dir)`` writes config.json, generation_config.json, model.safetensors (every
+tensor of the WeightLayout, each drawn from its own generator seeded by the tensor's name, so the bytes
+never depend on order or platform), tokenizer.json and tokenizer_config.json with a ChatML template.
+Scales: linears and embeddings N(0, 0.02); norms 1 + U(-0.1, 0.1); routers N(0, 0.1) so that routing
+is spread; DeepSeek's correction bias N(0, 0.1). transformers' AutoModelForCausalLM loads the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from adapt.builtin import BUILTIN_CONFIGS, builtin_config
+from adapt.errors import ModelNotFoundError
+from adapt.layout import TensorSpec, WeightLayout
+from adapt.runtime.tiny_tokenizer import build_tiny_tokenizer
+from adapt.spec import ModelSpec
+
+FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def _tensor(t: TensorSpec, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed((zlib.crc32(t.name.encode()) + seed * 1_000_003) % 2**63)
+    if t.role.endswith("norm") or t.role in ("norm", "q_norm", "k_norm"):
+        return 1.0 + (torch.rand(t.shape, generator=g) - 0.5) * 0.2
+    if t.role == "router":
+        return torch.randn(t.shape, generator=g) * 0.1
+    if t.role == "router_bias":
+        return torch.randn(t.shape, generator=g) * 0.1
+    if t.role.endswith("_bias"):
+        return torch.randn(t.shape, generator=g) * 0.02
+    return torch.randn(t.shape, generator=g) * 0.02
+
+
+def init_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the built-in model ``name`` to ``out_dir``; returns the directory."""
+    cfg = builtin_config(name)
+    if cfg is None:
+        raise ModelNotFoundError(f"unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_CONFIGS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = ModelSpec.from_hf_config(cfg, name=name)
+    layout = WeightLayout.from_spec(spec)
+    tensors = {t.name: _tensor(t, seed).to(getattr(torch, t.dtype)).contiguous() for t in layout.main() if t.is_param}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gen = {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"), "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    build_tiny_tokenizer(out, vocab_size=spec.vocab_size)
+    return out
+
+
+def cache_root() -> Path:
+    """$ADAPT_CACHE, or ~/.cache/adapt."""
+    return Path(os.environ.get("ADAPT_CACHE") or Path.home() / ".cache" / "adapt").expanduser()
+
+
+def builtin_checkpoint(name: str) -> Path:
+    """The cached checkpoint of a built-in model, written on first use (atomically, by rename)."""
+    target = cache_root() / "models" / name
+    if all((target / f).is_file() for f in FILES):
+        return target
+    tmp = target.parent / f".{name}.{os.getpid()}.tmp"
+    init_model(name, tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, target) if not target.exists() else None
+    except OSError:
+        pass
+    if not all((target / f).is_file() for f in FILES):  # a stale partial dir: rewrite in place
+        init_model(name, target)
+    if tmp.exists():
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

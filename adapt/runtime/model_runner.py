@@ -1,0 +1,68 @@
+"""Turns a scheduled batch into tensors, runs the model, returns the next-token logits.
+
+# Legend: T packed tokens, B sequences, MAXB the widest block table of the step, V vocabulary.
+
+Prefill packs every token of every sequence with ``cu_seqlens`` boundaries and takes logits at each
+sequence's last token only; decode runs one token per sequence over the paged cache, batched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adapt.runtime.cache.kv_pool import KVPool
+from adapt.runtime.models.batch import ForwardBatch
+from adapt.runtime.models.decoder import CausalLM
+from adapt.runtime.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kernels, device: torch.device, pool: KVPool | None):
+        self.model, self.kernels, self.device, self.pool = model, kernels, device, pool
+        # the pool holds this rank's layers; attention indexes the cache by global layer index
+        start = model.layer_range[0]
+        self.kv_layers = [None] * start + list(pool.layers) if pool is not None else None
+
+    def _t(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare(self, sb: ScheduledBatch) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor | None]:
+        """(input_ids [T], ForwardBatch, rows of the hidden states to take logits from or None: all)."""
+        kv = self.kv_layers
+        if sb.kind == "prefill":
+            ids, pos, cu = [], [], [0]
+            for s in sb.seqs:
+                tok = s.token_ids
+                ids.extend(tok)
+                pos.extend(range(len(tok)))
+                cu.append(cu[-1] + len(tok))
+            slots = [x for m in sb.slot_mappings for x in m]
+            fb = ForwardBatch("prefill", self._t(pos), self.kernels, slot_mapping=self._t(slots),
+                              cu_seqlens=self._t(cu, torch.int32), kv=kv, attn_tiles=_tiles(max(sb.context_lens)))
+            return self._t(ids), fb, self._t(cu[1:]) - 1
+        width = max(len(t) for t in sb.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in sb.block_tables]
+        lens = sb.context_lens
+        fb = ForwardBatch("decode", self._t([n - 1 for n in lens]), self.kernels,
+                          slot_mapping=self._t([m[0] for m in sb.slot_mappings]),
+                          block_tables=self._t(tables, torch.int32), seq_lens=self._t(lens, torch.int32), kv=kv)
+        return self._t([s.last_token_id for s in sb.seqs]), fb, None
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, fb: ForwardBatch, rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits [B, V] float32 at ``rows`` of the final hidden states (all rows when None)."""
+        h = self.model(input_ids, fb)
+        if rows is not None:
+            h = h.index_select(0, rows)
+        return self.model.compute_logits(h).float()
+
+    def step(self, sb: ScheduledBatch) -> torch.Tensor:
+        return self.execute(*self.prepare(sb))
+
+
+def _tiles(max_len: int) -> tuple[int, int]:
+    # Larger tiles for long prompts keep the Python loop of the tiled kernel short; memory stays
+    # O(q_tile * k_tile) per head either way.
+    if max_len <= 1024:
+        return 128, 256
+    return 512, 1024

@@ -1,0 +1,40 @@
+"""What one forward step needs besides the token ids: positions, cache slots, sequence boundaries.
+
+# Legend: T packed tokens of the step, B sequences, MAXB block-table width.
+
+A prefill step packs every token of B sequences (``cu_seqlens``); a decode step has one token per
+sequence and reads the paged cache (``block_tables``, ``seq_lens`` counting the new token).
+``kv`` is the pool's per-layer tensors (None: compute without caching, as ``prefill_logits`` does).
+``capture``, when a dict, receives each layer's intermediate outputs by name (see models/__init__).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from adapt.runtime.kernels import Kernels
+
+
+@dataclass
+class ForwardBatch:
+    kind: str  # "prefill" | "decode"
+    positions: torch.Tensor  # [T] int64
+    kernels: Kernels
+    slot_mapping: torch.Tensor | None = None  # [T] int64 cache slot of each token (None: no cache write)
+    cu_seqlens: torch.Tensor | None = None  # [B + 1] int32, prefill
+    block_tables: torch.Tensor | None = None  # [B, MAXB] int32, decode
+    seq_lens: torch.Tensor | None = None  # [B] int32, decode: cached tokens including this one
+    kv: list | None = None  # LayerKV per global layer index (None: no cache)
+    capture: dict[str, torch.Tensor] | None = None
+    rope: dict = field(default_factory=dict)  # cos/sin per rope, computed once per step
+    attn_tiles: tuple[int, int] = (128, 256)  # prefill (q_tile, k_tile)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.kind == "prefill"
+
+    def record(self, name: str, x: torch.Tensor) -> None:
+        if self.capture is not None:
+            self.capture[name] = x.detach().clone()

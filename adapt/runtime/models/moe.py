@@ -1,0 +1,90 @@
+"""Mixture-of-experts feed-forward: router, the routed experts this rank holds, shared experts.
+
+# Legend: T tokens, H hidden, E this rank's routed experts, I this rank's expert width, K top-k.
+
+Routers by family (adapt.spec.MoESpec): Mixtral and Qwen-MoE take softmax top-k (renormalized for
+Mixtral, by ``norm_topk_prob`` for Qwen); DeepSeek-V2 softmax greedy / group-limited greedy;
+DeepSeek-V3 / Kimi-K2 sigmoid scores with the correction bias and group-limited top-k. Routers of the
+DeepSeek family run in float32 with a float32 gate weight, as transformers keeps them. The routed
+experts run as one grouped kernel; under expert parallelism each rank computes only ``ctx.experts``
+(contiguous ids) and the partial outputs are summed over the stage group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adapt.runtime.models.batch import ForwardBatch
+from adapt.runtime.models.layers import Linear, _param, slot_loader
+from adapt.runtime.models.mlp import DenseMLP
+from adapt.runtime.models.names import LayoutNames
+from adapt.runtime.parallel import ParallelContext
+from adapt.spec import ModelSpec
+
+
+class MoE(nn.Module):
+    def __init__(self, spec: ModelSpec, n: LayoutNames, i: int, ctx: ParallelContext):
+        super().__init__()
+        m, h = spec.moe, spec.hidden_size
+        self.moe, self.ctx, self.layer = m, ctx, i
+        self.deepseek = spec.family == "deepseek"
+        self.experts = tuple(ctx.experts) if ctx.experts is not None else tuple(range(m.num_experts))
+        assert self.experts == tuple(range(self.experts[0], self.experts[0] + len(self.experts))), \
+            "a rank's routed experts must be contiguous ids"
+        self.expert_offset = self.experts[0]
+        moe_tp = ctx.plan.moe_tp if ctx.plan is not None else 1
+        self.split = moe_tp > 1 or len(self.experts) < m.num_experts  # partial outputs to sum
+        num_inter = m.intermediate_size // moe_tp
+        e = len(self.experts)
+        self.gate = Linear(n(i, "router"), h, m.num_experts)
+        if self.deepseek:
+            self.gate.weight.keep_fp32 = True
+        self.bias_name = n.get(i, "router_bias")
+        self.e_score_correction_bias = _param(m.num_experts) if self.bias_name else None
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.keep_fp32 = True
+        self.w_gate = _param(e, num_inter, h)  # [E, I, H]
+        self.w_up = _param(e, num_inter, h)
+        self.w_down = _param(e, h, num_inter)  # [E, H, I]
+        self._names = [(n(i, "expert_gate", x), n(i, "expert_up", x), n(i, "expert_down", x)) for x in self.experts]
+        self.shared = (DenseMLP(n, i, h, m.shared_intermediate_size, ctx, kind="shared")
+                       if m.num_shared_experts and m.shared_intermediate_size else None)
+        self.shared_gate = Linear(n(i, "shared_expert_gate"), h, 1) if m.shared_expert_gate else None
+
+    def hf_weights(self):
+        out = {}
+        for j, (g, u, d) in enumerate(self._names):
+            out[g] = slot_loader(self, "w_gate", g, index=j)
+            out[u] = slot_loader(self, "w_up", u, index=j)
+            out[d] = slot_loader(self, "w_down", d, index=j)
+        if self.bias_name:
+            out[self.bias_name] = slot_loader(self, "e_score_correction_bias", self.bias_name)
+        return out
+
+    def route(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, K] float32, global expert ids [T, K])."""
+        k, m = batch.kernels, self.moe
+        logits = k.router_logits(x, self.gate.weight, self.deepseek)  # [T, E_total]
+        batch.record(f"layers.{self.layer}.router_logits", logits)
+        if not self.deepseek:
+            return k.softmax_topk(logits, m.top_k, m.norm_topk_prob)
+        if m.scoring == "sigmoid":
+            return k.sigmoid_grouped_topk(logits, m.top_k, self.e_score_correction_bias, m.n_group, m.topk_group,
+                                          m.norm_topk_prob, m.routed_scaling_factor)
+        return k.deepseek_v2_topk(logits, m.top_k, m.topk_method, m.n_group, m.topk_group, m.routed_scaling_factor)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        weights, ids = self.route(x, batch)
+        if not self.deepseek:
+            weights = weights.to(x.dtype)  # transformers casts the routing weights to the model dtype
+        y = batch.kernels.moe_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down, self.expert_offset)
+        if self.split:
+            y = self.ctx.all_reduce(y, group="stage")
+        if self.shared is not None:
+            s = self.shared(x, batch)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(F.linear(x, self.shared_gate.weight)) * s
+            y = y + s
+        return y
