@@ -1,0 +1,77 @@
+"""operator_alignment: every kernel of ``get_kernels("adapt")`` against its twin in ``get_kernels("reference")``.
+
+float32: the kernel and the twin on the same float32 inputs; ``max_abs`` is the largest difference over
+all kernels ([twin] ~1e-5). Low precision (FlashAttention's rule): the kernel on inputs cast to the dtype
+against the twin on float32 inputs, divided by the twin itself run in the dtype against float32
+(``max_abs_vs_torch_ratio``; <= 2 passes). Integer outputs (routing ids, int8 codes) count as their
+numeric difference. Kernels without a case are listed, never silently passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from adapt.validate import compare
+from adapt.validate.checklist import Outcome, Skip, register_check
+
+_DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHARED = ("rope_inv_freq", "rope_cos_sin", "mla_softmax_scale", "router_logits")  # no twin: one function
+
+
+def _run(fn, case, dtype: torch.dtype) -> list[torch.Tensor]:
+    args, kwargs = case.make(dtype)
+    return [x.detach().cpu() for x in case.out(args, fn(*args, **kwargs))]
+
+
+def _err(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> tuple[float, float]:
+    d = max(compare.max_abs(o.double(), r.double()) for o, r in zip(outs, refs))
+    c = min(compare.cosine(o.double(), r.double()) for o, r in zip(outs, refs) if r.is_floating_point())
+    return d, c
+
+
+@register_check("operator_alignment")
+def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
+    try:
+        from adapt.runtime.kernels import get_kernels
+    except ImportError as e:
+        raise Skip(f"adapt.runtime.kernels is not available ({e})") from None
+    from adapt.validate.checks.operator_cases import build_cases
+
+    dtype = _DT.get(ctx.dtype)
+    if dtype is None:
+        raise Skip(f"no operator cases for dtype {ctx.dtype}")
+    ker, twin = get_kernels("adapt"), get_kernels("reference")
+    wanted = params.get("kernels", "all")
+    names = [f.name for f in fields(ker) if f.name != "impl" and f.name not in SHARED]
+    if wanted != "all":
+        names = [n for n in names if n in set(wanted)]
+    cases = build_cases()
+    per: dict[str, float] = {}
+    cos: dict[str, float] = {}
+    ratio: dict[str, float] = {}
+    missing = [n for n in names if n not in cases]
+    for n in names:
+        if n not in cases:
+            continue
+        ref32 = _run(getattr(twin, n), cases[n], torch.float32)
+        per[n], cos[n] = _err(_run(getattr(ker, n), cases[n], dtype), ref32)
+        if dtype != torch.float32:
+            plain, _ = _err(_run(getattr(twin, n), cases[n], dtype), ref32)
+            floor = torch.finfo(dtype).eps * max(float(r.abs().max()) for r in ref32 if r.numel())
+            ratio[n] = per[n] / max(plain, floor)
+    if not per:
+        raise Skip("no kernel has an operator case")
+    worst = max(per, key=per.get)
+    m: dict[str, Any] = {"max_abs": per[worst], "cosine": min(cos.values()), "kernels": len(per),
+                         "kernels_without_case": len(missing), "worst_kernel": worst,
+                         **{f"{n}.max_abs": v for n, v in per.items()}}
+    if ratio:
+        m["max_abs_vs_torch_ratio"] = max(ratio.values())
+    msg = f"{len(per)} kernels vs twin; worst {worst} max_abs {per[worst]:.3g}"
+    if missing:
+        msg += f"; no case for {', '.join(missing)}"
+    return Outcome(m, message=msg)

@@ -1,0 +1,122 @@
+"""image_path, parallel_consistency, long_context and kv_quant_impact.
+
+Each needs a stage that may be missing (a vision tower, the distributed runtime, a KV cache that can
+be quantized) and is ``skip`` with the reason then. The long-context ladder runs the rungs the model's
+``max_position_embeddings`` and a time budget allow: a rung's time is estimated from the previous one
+(quadratic in length, attention's cost) and skipped with the estimate when it would exceed the budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from adapt.validate import compare
+from adapt.validate.checklist import Outcome, Skip, register_check
+
+
+@register_check("image_path")
+def image_path(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
+    cfg = getattr(ctx.reference, "doc", {}).get("config") if hasattr(ctx.reference, "doc") else None
+    if cfg is None and hasattr(ctx.reference, "model"):
+        cfg = ctx.reference.model.model.config.to_dict()
+    if not (cfg or {}).get("vision_config"):
+        raise Skip("text-only model: no vision tower")
+    run = ctx.target.runner
+    if run is None or not hasattr(run, "image_logits"):
+        raise Skip("the target runtime has no image path yet")
+    raise Skip("image references are not dumped yet")
+
+
+def _distributed_runner():
+    try:
+        from adapt.runtime import distributed
+    except ImportError:
+        return None
+    return getattr(distributed, "run_layout_logits", None)
+
+
+@register_check("parallel_consistency")
+def parallel_consistency(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
+    if ctx.target.engine is None:
+        raise Skip("parallel layouts run on adapt's distributed runtime, which did not run this target "
+                   f"({ctx.target.reason or 'runtime ' + ctx.target.runtime})")
+    run_layout = _distributed_runner()
+    if run_layout is None:
+        raise Skip("adapt.runtime.distributed cannot run a layout's prefill yet")
+    layout = {k: int(params[k]) for k in ("tp", "pp", "ep", "dp") if k in params}
+    try:
+        one = ctx.target_logits(0)
+        many = run_layout(ctx.target.path, ctx.prompts[0], device=ctx.device, dtype=ctx.dtype, **layout)
+    except Exception as e:  # a layout this model or machine cannot run is reported, not crashed
+        from adapt.errors import AdaptError
+
+        if isinstance(e, AdaptError):
+            raise Skip(f"layout {params.get('layout')}: {e}") from None
+        raise
+    return Outcome({"max_abs": compare.max_abs(many, one), "cosine": compare.cosine(many, one)},
+                   message=f"layout {params.get('layout')} vs one rank")
+
+
+def _tail(run, ids: list[int], n: int) -> torch.Tensor:
+    fn = getattr(run, "tail_logits", None)
+    return fn(ids, n) if fn is not None else run.prefill_logits(ids)[-n:]
+
+
+@register_check("long_context")
+def long_context(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
+    run = ctx.need_runner()
+    if ctx.low_precision:
+        raise Skip(f"the ladder's {ctx.dtype} ratio needs plain torch at each rung; run it in float32")
+    budget = float(params.get("time_budget_s", 60.0))
+    limit = ctx.reference.max_position_embeddings
+    done, skipped, worst_abs, worst_cos, last = [], [], 0.0, 1.0, None
+    for length in sorted(int(x) for x in params.get("lengths", [1024, 8192, 32768])):
+        if limit and length > limit:
+            skipped.append(f"{length}: beyond max_position_embeddings {limit}")
+            continue
+        if last is not None and last[1] * (length / last[0]) ** 2 > budget:
+            skipped.append(f"{length}: estimated {last[1] * (length / last[0]) ** 2:.0f}s > budget {budget:.0f}s")
+            continue
+        ids = ctx.reference.long_prompt(length)
+        t0 = time.perf_counter()
+        ref = ctx.reference.long_logits(length) if ids is not None else None
+        if ref is None:
+            skipped.append(f"{length}: not in the golden directory")
+            continue
+        tgt = _tail(run, ids, ref.shape[0])
+        last = (length, time.perf_counter() - t0)
+        worst_abs = max(worst_abs, compare.max_abs(tgt, ref))
+        worst_cos = min(worst_cos, compare.cosine(tgt, ref))
+        done.append(length)
+    if not done:
+        raise Skip("no rung ran: " + "; ".join(skipped))
+    m = {"max_abs": worst_abs, "cosine": worst_cos, "max_length": max(done), "rungs": len(done)}
+    msg = f"rungs {done} compared (last 32 positions each)"
+    return Outcome(m, message=msg + (f"; skipped {'; '.join(skipped)}" if skipped else ""))
+
+
+@register_check("kv_quant_impact")
+def kv_quant_impact(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
+    engine = ctx.target.engine
+    if engine is None:
+        raise Skip("the int8 KV cache is adapt runtime's, which did not run this target "
+                   f"({ctx.target.reason or 'runtime ' + ctx.target.runtime})")
+    from adapt.validate.engine_runner import decode_logits_with_kv
+
+    kv = str(params.get("kv_dtype", "int8"))
+    refs, quants, ids = [], [], []
+    for p in ctx.prompts:
+        base = decode_logits_with_kv(ctx.target, p, kv_dtype=None)
+        if base is None:
+            raise Skip("the runtime cannot run with a chosen KV cache dtype yet")
+        refs.append(base)
+        quants.append(decode_logits_with_kv(ctx.target, p, kv_dtype=kv))
+        ids.append(torch.tensor(p[1:]))
+    r, q = torch.cat([x[:-1] for x in refs]), torch.cat([x[:-1] for x in quants])
+    m = {"top1_agreement": compare.top1_agreement(r, q), **compare.kl_divergence(r, q),
+         **compare.perplexity_delta(r, q, torch.cat(ids))}
+    return Outcome(m, message=f"{kv} KV cache vs the unquantized cache, {r.shape[0]} positions")
