@@ -189,6 +189,8 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     sources = [dict(name=f, size=s.st_size) for f, s in src_stat.items()]
     fp = _fingerprint(files, sources)
 
+    if out.resolve() == src_dir.resolve():
+        raise ShardError(f"--out {out} is the checkpoint directory itself")
     _check_out_dir(out, force)
     out.mkdir(parents=True, exist_ok=True)
     known, known_src = {}, {}
