@@ -6,19 +6,21 @@ rank holds) comes from the layout in ``weights.py``; what this file gives is per
 
 from __future__ import annotations
 
+import adapt.profile as profile
+from adapt.profile.memory import kv_cached_tokens
 from adapt.spec import ModelSpec, dtype_bytes
 
 
 def kv_bytes_per_token_layer(spec: ModelSpec, kv_dtype: str) -> float:
-    """KV cache bytes one token adds in one decoder layer, for the whole model (before any split).
+    """KV cache bytes one token adds in one decoder layer, for the whole model before any split (the
+    profile's MLA-aware figure: GQA kv_heads x (head_dim + v_head_dim); MLA kv_lora_rank + qk_rope_head_dim,
+    the same for every head, so tp does not split it; int8 adds its scales)."""
+    return profile.kv_bytes_per_token_per_layer(spec, kv_dtype)
 
-    GQA: keys and values of every KV head, (head_dim + v_head_dim) x kv_heads. MLA: the compressed latent
-    plus the rope key, kv_lora_rank + qk_rope_head_dim (the same for every head, so tp does not split it).
-    """
-    a, b = spec.attention, dtype_bytes(kv_dtype)
-    if a.kind == "mla":
-        return (a.kv_lora_rank + a.qk_rope_head_dim) * b
-    return a.num_kv_heads * (a.head_dim + a.v_head_dim) * b
+
+def kv_tokens(spec: ModelSpec, context: int) -> int:
+    """Tokens cached per sequence at ``context`` (a sliding window caps it)."""
+    return kv_cached_tokens(spec, context)
 
 
 def kv_split(spec: ModelSpec, tp: int) -> int:
@@ -47,18 +49,9 @@ def attention_flops(spec: ModelSpec, tokens: int, context: int, tp: int, prefill
 
 
 def activation_peak_bytes(spec: ModelSpec, tokens: int, tp: int, act_dtype: str) -> float:
-    """Peak transient activations of one forward of ``tokens`` tokens on one tp rank (flash attention: no
-    score matrix). The residual and normed hidden (2h) stay live while the larger of the attention block
-    (q, k/v or the MLA up-projected k/v, output, each split by tp) or the MLP (gate, up, product: 3 x the
-    widest intermediate over tp; routed experts see top-k x tokens over the tp x dp ranks, which is
-    top_k x moe_inter / tp per rank in expectation) is in flight."""
-    a, h = spec.attention, spec.hidden_size
-    if a.kind == "mla":
-        attn = a.num_heads * (a.head_dim + a.qk_nope_head_dim + 2 * a.v_head_dim) / tp + a.kv_lora_rank
-    else:
-        attn = (a.num_heads * (a.head_dim + a.v_head_dim) + a.num_kv_heads * (a.head_dim + a.v_head_dim)) / tp
-    mlp = 3 * spec.intermediate_size / tp if "dense" in spec.layer_kinds else 0.0
-    if spec.moe:
-        m = spec.moe
-        mlp = max(mlp, 3 * m.top_k * m.intermediate_size / tp + 3 * m.shared_intermediate_size / tp)
-    return tokens * (2 * h + max(attn, mlp)) * dtype_bytes(act_dtype)
+    """Peak transient activations of one prefill forward of ``tokens`` tokens on one tp rank: the profile's
+    peak (``adapt.profile.activation_peak_bytes``, flash attention, one layer alive) with the residual stream
+    and normed input (2 x tokens x hidden) replicated and the sublayer transients split over tp."""
+    full = profile.activation_peak_bytes(spec, 1, tokens, act_dtype)
+    resid = 2 * tokens * spec.hidden_size * dtype_bytes(act_dtype)
+    return resid + (full - resid) / tp

@@ -66,7 +66,7 @@ def memory(spec: ModelSpec, tp: int, ep: int, dp: int, ranges, work: Workload, p
     pp = len(ranges)
     for s, r in enumerate(ranges):
         w = stage_weights(spec, places, r, s == 0, s == pp - 1, work.include_mtp)
-        kv = seqs * work.context * (r[1] - r[0]) * kv_tok
+        kv = seqs * costs.kv_tokens(spec, work.context) * (r[1] - r[0]) * kv_tok
         m = Memory(w.bytes, kv, act, s)
         if worst is None or m.total > worst.total:
             worst = m
@@ -82,7 +82,7 @@ def _stage_time(spec: ModelSpec, w, r, tp: int, dp: int, tokens: int, stage_toke
         e, k = spec.moe.num_experts, spec.moe.top_k
         flops += 2 * w.expert_params * stage_tokens * k / e
         expert_read = w.expert_bytes * (1 - (1 - k / e) ** stage_tokens)
-    kv = n * kv_tok * (context if not prefill else tokens) * (tokens if not prefill else 1)
+    kv = n * kv_tok * (costs.kv_tokens(spec, context) * tokens if not prefill else tokens)
     read = w.bytes - w.embed_bytes - w.expert_bytes + expert_read + kv
     return max(flops / peak, read / cluster.hardware.memory_bandwidth)
 
