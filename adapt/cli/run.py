@@ -1,0 +1,67 @@
+"""`adapt run MODEL --prompt TEXT | --prompt-ids 1,2,3`: generate with adapt's own runtime."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from adapt.cli.options import DeviceOpt, DtypeOpt, FormatOpt
+from adapt.cli.output import check_choice, emit, err_console, to_json
+from adapt.errors import RuntimeConfigError
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise RuntimeConfigError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise RuntimeConfigError("--prompt-ids is empty")
+    return ids
+
+
+def run(
+    model: Annotated[str, typer.Argument(help="Checkpoint dir, `adapt shard` output dir, or built-in name "
+                                              "(tiny-k2, tiny-llama, tiny-qwen3-moe).")],
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text (repeatable).")] = None,
+    prompt_ids: Annotated[Optional[list[str]], typer.Option("--prompt-ids", help="Token ids 1,2,3 (repeatable); "
+                                                            "bypasses the tokenizer.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each --prompt as a user message (chat template).")] = False,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1)] = 32,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 is greedy.")] = 0.0,
+    top_k: Annotated[Optional[int], typer.Option("--top-k")] = None,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = False,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    kernels: Annotated[str, typer.Option("--kernels", help="adapt | reference (the plain-torch twins).")] = "adapt",
+    kv_cache_memory: Annotated[Optional[str], typer.Option("--kv-cache-memory", help="KV cache budget: bytes "
+                               "(2GiB, 512MiB) or a fraction of free memory (0.5).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | int8")] = "auto",
+    fmt: FormatOpt = "text",
+) -> None:
+    """Generate for all prompts as one batch; --format json prints {"outputs": [...], "stats": {...}}."""
+    from adapt.runtime.run import run_generation
+
+    check_choice(fmt, ("text", "json"), "--format")
+    doc = run_generation(model, prompt, [parse_ids(p) for p in prompt_ids or []], chat=chat, max_tokens=max_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                         ignore_eos=ignore_eos, device=device, dtype=dtype, kernels=kernels,
+                         kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype)
+    if fmt == "json":
+        emit(to_json(doc), None)
+        return
+    for i, o in enumerate(doc["outputs"]):
+        body = o["text"] if o["text"] is not None else " ".join(map(str, o["token_ids"]))
+        emit(f"[{i}] {body}", None)
+    s = doc["stats"]
+    err_console.print(f"prefill {s['prefill_tokens']} tok @ {s['prefill_tokens_per_s']} tok/s, decode "
+                      f"{s['decode_tokens']} tok @ {s['decode_tokens_per_s']} tok/s, KV peak "
+                      f"{s['kv_cache']['blocks_peak_used']}/{s['kv_cache']['blocks_total']} blocks", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)
