@@ -431,6 +431,7 @@ def coverage(layout: WeightLayout, plan: ParallelPlan) -> CoverageReport:
             held.setdefault(t.name, []).append(s)
             n_slices += 1
     numel, tensors, reps = 0, 0, {}
+    per_stage = plan.tp * plan.dp
     for t in layout:
         if t.scale_of is not None:
             continue
@@ -460,6 +461,12 @@ def coverage(layout: WeightLayout, plan: ParallelPlan) -> CoverageReport:
             if len(ks) != 1:
                 raise PlanError(f"coverage: tensor {t.name}: shards held an unequal number of times {sorted(ks)}")
             k = ks.pop()
+        pieces = 1 if dim is None else len(count)
+        stages = sum(1 for st in range(plan.pp) if stage_holds(t, plan.ranks[st * per_stage], plan, layout.spec))
+        want = stages * (plan.moe_tp if t.split == "expert" else per_stage)
+        if k * pieces != want:
+            raise PlanError(f"coverage: tensor {t.name} is held by {k * pieces} ranks; {plan.label()} puts it on "
+                            f"{want} ({stages} stage(s) x {want // max(stages, 1)} ranks)")
         lo, hi = reps.get(t.split, (k, k))
         reps[t.split] = (min(lo, k), max(hi, k))
         numel += t.numel
