@@ -60,7 +60,7 @@ class DistributedContext(ParallelContext):
     timeout_s: float = DEFAULT_TIMEOUT_S
     members: dict[str, list[int]] = field(default_factory=dict)  # this rank's group per kind
     groups: dict[str, Any] = field(default_factory=dict, repr=False)  # kind -> ProcessGroup (None: WORLD)
-    steps: list[tuple[str, dict[str, int]]] = field(default_factory=list, repr=False)
+    steps: list[dict] = field(default_factory=list, repr=False)  # {kind, batch, bytes: {collective: n}}
 
     # -- groups and accounting ------------------------------------------------------------------
     def build_groups(self) -> None:
@@ -98,9 +98,10 @@ class DistributedContext(ParallelContext):
     def _pg(self, group: str):
         return dist.group.WORLD if group == "world" else self.groups[group]
 
-    def step(self, kind: str) -> None:
-        """Start accounting a new engine step (``prefill`` / ``decode``); counts go to it until the next."""
-        self.steps.append((kind, {}))
+    def step(self, kind: str, batch: int = 0) -> None:
+        """Start accounting a new engine step (``prefill`` / ``decode`` of ``batch`` sequences); counts go
+        to it until the next."""
+        self.steps.append({"kind": kind, "batch": batch, "bytes": {}})
 
     def count(self, name: str, t: torch.Tensor) -> None:
         self.account(name, t.numel() * t.element_size())
@@ -110,7 +111,7 @@ class DistributedContext(ParallelContext):
         n = int(round(n))
         self.bytes_by_collective[name] = self.bytes_by_collective.get(name, 0) + n
         if self.steps:
-            d = self.steps[-1][1]
+            d = self.steps[-1]["bytes"]
             d[name] = d.get(name, 0) + n
 
     def _fail(self, op: str, group: str, e: BaseException) -> PeerFailure:

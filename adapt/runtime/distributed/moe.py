@@ -9,7 +9,9 @@ expert (stage-local ranks ``s`` with ``s % ep == expert // (E/ep)``); they retur
 expert outputs on the same rows; the source weights and sums them. One tp all-reduce then reassembles
 the replica's tokens and adds the shared expert's row-parallel partial. ``install`` puts this forward
 on every MoE layer of a model built for a context whose stage spans more than its tp group
-(ep > 1 or dp > 1); the single-rank MoE forward stays as it is.
+(ep > 1 or dp > 1). With tensor-parallel experts only (ep = dp = 1, tp > 1) and a shared expert,
+``tp_forward`` sums the routed and shared partial outputs before one tp all-reduce (the planner's one
+all-reduce per MoE layer) instead of one each. Otherwise the model's own MoE forward stays.
 """
 
 from __future__ import annotations
@@ -26,14 +28,51 @@ def install(model: torch.nn.Module, ctx: DistributedContext) -> int:
     """Route every MoE layer of ``model`` through all-to-all dispatch; returns how many were patched."""
     from adapt.runtime.models.moe import MoE
 
-    if ctx.plan is None or (ctx.ep_size == 1 and ctx.dp_size == 1):
+    if ctx.plan is None or ctx.world_size == 1:
         return 0
     n = 0
     for m in model.modules():
-        if isinstance(m, MoE):
+        if not isinstance(m, MoE):
+            continue
+        if ctx.ep_size > 1 or ctx.dp_size > 1:
             m.forward = types.MethodType(ep_forward, m)
-            n += 1
+        elif ctx.tp_size > 1 and m.shared is not None and m.split:
+            m.forward = types.MethodType(tp_forward, m)
+        else:
+            continue
+        n += 1
     return n
+
+
+def _shared_partial(self, x: torch.Tensor, k) -> torch.Tensor | None:
+    """The shared expert's output before its row-parallel all-reduce (bias not yet added)."""
+    if self.shared is None:
+        return None
+    sh = self.shared
+    s = F.linear(k.silu_and_mul(sh.gate_up(x)), sh.down.weight)  # [T, H] tp partial
+    if self.shared_gate is not None:
+        s = torch.sigmoid(F.linear(x, self.shared_gate.weight)) * s
+    return s
+
+
+def _shared_bias(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    bias = self.shared.down.bias if self.shared is not None else None
+    if bias is None:
+        return out
+    if self.shared_gate is not None:
+        return out + torch.sigmoid(F.linear(x, self.shared_gate.weight)) * bias
+    return out + bias
+
+
+def tp_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+    """MoE.forward with experts split over tp only: routed + shared partials, one all-reduce."""
+    weights, ids = self.route(x, batch)
+    if not self.deepseek:
+        weights = weights.to(x.dtype)
+    k = batch.kernels
+    y = k.moe_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down, self.expert_offset)
+    y = self.ctx.all_reduce(y + _shared_partial(self, x, k), group="tp")
+    return _shared_bias(self, x, y)
 
 
 def ep_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
@@ -45,7 +84,7 @@ def ep_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
     K = ids.shape[1]
     chunk = torch.tensor_split(torch.arange(T, device=x.device), ctx.tp_size)[ctx.tp_rank]  # [t]
     ids_c, w_c = ids[chunk], weights[chunk].float()  # [t, K]
-    n, ep, moe_tp = ctx.group_size("stage"), plan.ep, plan.moe_tp
+    n, ep = ctx.group_size("stage"), plan.ep
     per = plan.num_experts // ep
     flat = ids_c.reshape(-1).long()  # [t*K]
     owner = flat // per  # ep index of each pair's expert
@@ -65,13 +104,7 @@ def ep_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
     out_c = torch.zeros(chunk.numel(), H, dtype=torch.float32, device=x.device)
     w_rows = w_c.reshape(-1)[order_t]
     out_c.index_add_(0, order_t // K, back.float() * w_rows[:, None])
-    del moe_tp
-    shared = None
-    if self.shared is not None:
-        sh = self.shared
-        shared = F.linear(k.silu_and_mul(sh.gate_up(x)), sh.down.weight)  # [T, H] tp partial
-        if self.shared_gate is not None:
-            shared = torch.sigmoid(F.linear(x, self.shared_gate.weight)) * shared
+    shared = _shared_partial(self, x, k)
     if ctx.tp_size == 1:
         out = out_c.to(x.dtype)
         if shared is not None:
@@ -82,8 +115,4 @@ def ep_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         if shared is not None:
             out = out + shared
         out = ctx.all_reduce(out, "tp")
-    if self.shared is not None and self.shared.down.bias is not None:
-        bias = self.shared.down.bias
-        out = out + (torch.sigmoid(F.linear(x, self.shared_gate.weight)) * bias if self.shared_gate is not None
-                     else bias)
-    return out
+    return _shared_bias(self, x, out)
