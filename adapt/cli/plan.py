@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -127,9 +128,11 @@ def _check(path, name, spec, cluster, work, fmt, emit_engine) -> None:
 
 
 def _table(result, top: int) -> None:
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 150)
     c = result.cluster
-    t = Table(title=f"adapt plan {result.model}: {', '.join(map(str, c.world_sizes()))} x {c.hardware.name}, "
+    sizes = c.world_sizes()
+    where = f"{sizes[0]}" if len(sizes) == 1 else f"1..{sizes[-1]}"
+    t = Table(title=f"adapt plan {result.model}: {where} x {c.hardware.name}, "
                     f"{c.usable_bytes / 1e9:.1f} GB usable per device, objective {result.workload.objective}")
     for col in ("#", "layout", "dev", "nodes", "GB/dev", "weights", "kv", "act", "TTFT s", "TPOT ms", "tok/s"):
         t.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)

@@ -102,6 +102,11 @@ class Workload:
 
 
 def _pos(v: Any, key: str, where: str, kind=float, upper: float | None = None) -> Any:
+    if isinstance(v, str):  # YAML 1.1 reads 2.5e10 (no sign in the exponent) as a string
+        try:
+            v = float(v)
+        except ValueError:
+            pass
     ok = not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0 and (kind is float or int(v) == v)
     if not ok or (upper is not None and v > upper):
         what = "a positive integer" if kind is int else "a positive number" + (f" <= {upper}" if upper else "")
