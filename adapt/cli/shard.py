@@ -64,13 +64,18 @@ def run_cmd(
     task = bar.add_task("shard", total=None)
 
     def progress(delta: int, total: int) -> None:
+        if not bar.live.is_started:  # only once validation passed and writing begins
+            bar.start()
         bar.update(task, advance=delta, total=total)
 
-    with bar:
+    try:
         result = shard(ckpt, out, plan_file=plan, **{k: v or 1 for k, v in degrees.items()}, dtype=dtype,
                        max_file_size=parse_size(max_file_size), workers=workers,
                        memory_budget=parse_size(memory_budget), force=force, allow_pickle=allow_pickle,
                        progress=progress)
+    finally:
+        if bar.live.is_started:
+            bar.stop()
     s = result.to_dict()
     if fmt == "json":
         emit(to_json(s), None)

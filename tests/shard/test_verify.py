@@ -1,0 +1,110 @@
+"""verify catches damage: a flipped byte, a truncated file, a missing file, an extra tensor, an edited manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from adapt.cli.main import main
+from adapt.errors import ShardError
+from adapt.shard import load_manifest, shard, verify
+from adapt.shard.manifest import _digest
+
+
+@pytest.fixture()
+def out(llama_ckpt, tmp_path):
+    o = tmp_path / "out"
+    shard(llama_ckpt, o, tp=2, pp=2, max_file_size=40_000)
+    assert verify(o, source=llama_ckpt).ok
+    return o
+
+
+def _kinds(rep):
+    return {(p.kind, p.target.split(":")[0]) for p in rep.problems}
+
+
+def _first(out):
+    return load_manifest(out).files[0].path
+
+
+def test_flipped_byte(out, llama_ckpt):
+    path = out / _first(out)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert ("sha256", _first(out)) in _kinds(verify(out))
+    assert not verify(out, source=llama_ckpt).ok
+
+
+def test_truncated_file(out):
+    path = out / _first(out)
+    path.write_bytes(path.read_bytes()[:-100])
+    rep = verify(out)
+    assert ("size", _first(out)) in _kinds(rep) and "truncated" in rep.problems[0].detail
+
+
+def test_missing_file(out):
+    (out / _first(out)).unlink()
+    assert ("missing", _first(out)) in _kinds(verify(out))
+
+
+def test_extra_tensor(out):
+    path = out / _first(out)
+    tensors = load_file(str(path))
+    tensors["evil.weight"] = torch.zeros(3)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    rep = verify(out)
+    assert ("extra-tensor", _first(out)) in _kinds(rep)
+
+
+def test_extra_file(out):
+    save_file({"x": torch.zeros(2)}, str(out / "rank-00000" / "model-00009-of-00009.safetensors"))
+    assert ("extra-file", "rank-00000/model-00009-of-00009.safetensors") in _kinds(verify(out))
+
+
+def test_edited_manifest(out):
+    p = out / "manifest.json"
+    d = json.loads(p.read_text())
+    d["files"][0]["tensors"][0]["slice"] = {"dim": 0, "start": 0, "stop": 1}
+    p.write_text(json.dumps(d))
+    rep = verify(out)
+    assert not rep.ok and rep.problems[0].kind == "manifest" and "edited" in rep.problems[0].detail
+    with pytest.raises(ShardError, match="edited"):
+        load_manifest(out)
+
+
+def test_edited_manifest_with_recomputed_digest(out):
+    """Someone who also fixes the digest is still caught: the slices are re-derived from the plan."""
+    p = out / "manifest.json"
+    d = json.loads(p.read_text())
+    d.pop("manifest_sha256")
+    t = next(t for f in d["files"] for t in f["tensors"] if t["slice"])
+    t["slice"]["start"] += 1
+    d["manifest_sha256"] = _digest(d)
+    p.write_text(json.dumps(d))
+    assert "plan" in {k for k, _ in _kinds(verify(out))}
+
+
+def test_manifest_path_escape_refused(out):
+    p = out / "manifest.json"
+    d = json.loads(p.read_text())
+    d.pop("manifest_sha256")
+    d["files"][0]["path"] = "rank-00000/../../evil.safetensors"
+    d["manifest_sha256"] = _digest(d)
+    p.write_text(json.dumps(d))
+    with pytest.raises(ShardError, match="unsafe file name"):
+        load_manifest(out)
+
+
+def test_cli_verify_exit_codes(out, llama_ckpt, capsys):
+    main(["shard", "verify", str(out), "--source", str(llama_ckpt)])
+    assert "OK:" in capsys.readouterr().out
+    (out / _first(out)).unlink()
+    with pytest.raises(SystemExit) as e:
+        main(["shard", "verify", str(out), "--format", "json"])
+    assert e.value.code == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["ok"] is False and rep["problems"][0]["target"] == _first(out)
