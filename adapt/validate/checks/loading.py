@@ -39,7 +39,7 @@ def _problems(result: Any) -> list[str]:
     for attr in ("problems", "errors", "failures"):
         v = getattr(result, attr, None)
         if v is not None:
-            return [str(x) for x in v]
+            return [x.line() if hasattr(x, "line") else str(x) for x in v]
     ok = getattr(result, "ok", None)
     return [] if ok in (None, True) else [str(result)]
 
@@ -54,7 +54,8 @@ def manifest_verify(params: Mapping[str, Any], thresholds: Mapping[str, float], 
     from adapt.errors import AdaptError
 
     try:
-        problems = _problems(verify(ctx.target.path))
+        src = ctx.reference.path if params.get("against_reference") and ctx.reference.kind == "transformers" else None
+        problems = _problems(verify(ctx.target.path, src) if src is not None else verify(ctx.target.path))
     except AdaptError as e:
         problems = [str(e)]
     m = {"problems": len(problems)}
@@ -69,12 +70,9 @@ def memory_vs_profile(params: Mapping[str, Any], thresholds: Mapping[str, float]
     if engine is None:
         raise Skip("measured memory comes from adapt's runtime, which did not run this target "
                    f"({ctx.target.reason or 'runtime ' + ctx.target.runtime})")
-    measured = getattr(engine, "memory_bytes", None)
-    measured = measured() if callable(measured) else measured
-    if not isinstance(measured, Mapping):
-        raise Skip("the runtime reports no memory_bytes (weights, kv_cache)")
-    from adapt.validate.profile_bridge import estimate_bytes
+    from adapt.validate.profile_bridge import estimate_bytes, measured_bytes
 
+    measured = measured_bytes(engine)
     est = estimate_bytes(ctx, engine)
     if est is None:
         raise Skip("adapt.profile has no memory estimate for this model yet")

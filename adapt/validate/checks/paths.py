@@ -46,7 +46,8 @@ def parallel_consistency(params: Mapping[str, Any], thresholds: Mapping[str, flo
                    f"({ctx.target.reason or 'runtime ' + ctx.target.runtime})")
     run_layout = _distributed_runner()
     if run_layout is None:
-        raise Skip("adapt.runtime.distributed cannot run a layout's prefill yet")
+        raise Skip("adapt.runtime.distributed generates tokens but exposes no multi-rank prefill logits to "
+                   "compare with one rank at these thresholds yet")
     layout = {k: int(params[k]) for k in ("tp", "pp", "ep", "dp") if k in params}
     try:
         one = ctx.target_logits(0)
