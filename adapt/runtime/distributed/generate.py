@@ -24,7 +24,7 @@ from adapt.source import read_config
 from adapt.spec import ModelSpec
 
 from . import moe as ep_moe
-from .context import DEFAULT_TIMEOUT_S, DistributedContext, init_distributed
+from .context import DEFAULT_TIMEOUT_S, DistributedContext, init_distributed, shutdown
 from .pipeline import PipelineRunner
 from .stats import compare_with_planner, summarize_steps
 
@@ -102,3 +102,44 @@ def collective_report(eng, ctx: DistributedContext, act_dtype: str | None = None
     if not ctx.is_driver:
         return None
     return {"plan": ctx.plan.label(), "act_dtype": act, "ranks": box}
+
+
+def _dp_generate(eng, ctx: DistributedContext, generate_one):
+    """eng.generate for dp replicas: this replica runs its share; every rank gets all results in order."""
+
+    def gen(prompts, params=None):
+        mine = [i for i in range(len(prompts)) if i % ctx.dp_size == ctx.dp_rank]
+        plist = params if isinstance(params, (list, tuple)) else None
+        sub = generate_one([prompts[i] for i in mine], [plist[i] for i in mine] if plist else params) if mine else []
+        box = [None] * ctx.world_size
+        dist.all_gather_object(box, (mine, sub))
+        results = [None] * len(prompts)
+        for idx, res in box:
+            for i, r in zip(idx, res):
+                results[i] = r
+        return results
+
+    return gen
+
+
+def run_distributed(model: str | Path, prompts=None, prompt_ids=None, *, device: str = "cpu",
+                    dtype: str = "float32", kernels: str = "adapt", kv_cache_memory=None, kv_cache_dtype: str = "auto",
+                    dist_backend: str | None = None, dist_timeout: float = DEFAULT_TIMEOUT_S,
+                    micro_batches: int | None = None, collective_stats: bool = False, **gen_kw) -> dict | None:
+    """This rank's part of ``adapt run`` on a shard output: the run_generation document on rank 0 (with
+    ``stats.parallel`` and, with collective_stats, ``stats.collectives``), None on the other ranks."""
+    from adapt.runtime.run import run_generation
+
+    eng, ctx = open_distributed(model, device, dtype, dist_backend, dist_timeout, micro_batches, kernels=kernels,
+                                kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype)
+    if ctx.dp_size > 1:
+        eng.generate = _dp_generate(eng, ctx, eng.generate)
+    doc = run_generation(model, prompts, prompt_ids, engine=eng, device=device, dtype=dtype, kernels=kernels,
+                         **gen_kw)
+    doc["stats"]["parallel"] = {"plan": ctx.plan.label(), "world_size": ctx.world_size, "backend": ctx.backend,
+                                "bytes_by_collective": dict(sorted(ctx.bytes_by_collective.items()))}
+    if collective_stats:
+        doc["stats"]["collectives"] = collective_report(eng, ctx)
+    ctx.barrier()
+    shutdown()
+    return doc if ctx.is_driver else None
