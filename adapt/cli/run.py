@@ -6,6 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from adapt.cli.launch import (CollectiveStatsOpt, DistBackendOpt, DistTimeoutOpt, MicroBatchesOpt, NnodesOpt,
+                              NodeRankOpt, NprocOpt, RdzvOpt, TorchrunArgOpt)
 from adapt.cli.options import DeviceOpt, DtypeOpt, FormatOpt
 from adapt.cli.output import check_choice, emit, err_console, to_json
 from adapt.errors import RuntimeConfigError
@@ -42,15 +44,40 @@ def run(
                                "(2GiB, 512MiB) or a fraction of free memory (0.5).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | int8")] = "auto",
     fmt: FormatOpt = "text",
+    nproc: NprocOpt = 0,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_endpoint: RdzvOpt = None,
+    torchrun_arg: TorchrunArgOpt = None,
+    dist_backend: DistBackendOpt = None,
+    dist_timeout: DistTimeoutOpt = 300.0,
+    micro_batches: MicroBatchesOpt = None,
+    collective_stats: CollectiveStatsOpt = False,
 ) -> None:
     """Generate for all prompts as one batch; --format json prints {"outputs": [...], "stats": {...}}."""
     from adapt.runtime.run import run_generation
 
     check_choice(fmt, ("text", "json"), "--format")
-    doc = run_generation(model, prompt, [parse_ids(p) for p in prompt_ids or []], chat=chat, max_tokens=max_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                         ignore_eos=ignore_eos, device=device, dtype=dtype, kernels=kernels,
-                         kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype)
+    from adapt.cli.launch import launch_or_rank, print_collective_stats
+
+    mode = launch_or_rank(nproc, nnodes, node_rank, rdzv_endpoint, torchrun_arg)  # multi-rank: see cli/launch.py
+    if mode == "launched":
+        return
+    kw = dict(chat=chat, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+              stop=stop, ignore_eos=ignore_eos, device=device, dtype=dtype, kernels=kernels,
+              kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype)
+    if mode == "rank":
+        from adapt.runtime.distributed.faults import rank_guard
+        from adapt.runtime.distributed.generate import run_distributed
+
+        with rank_guard():
+            doc = run_distributed(model, prompt, [parse_ids(p) for p in prompt_ids or []], dist_backend=dist_backend,
+                                  dist_timeout=dist_timeout, micro_batches=micro_batches,
+                                  collective_stats=collective_stats, **kw)
+        if doc is None:  # not rank 0: rank 0 prints
+            return
+    else:
+        doc = run_generation(model, prompt, [parse_ids(p) for p in prompt_ids or []], **kw)
     if fmt == "json":
         emit(to_json(doc), None)
         return
@@ -61,6 +88,7 @@ def run(
     err_console.print(f"prefill {s['prefill_tokens']} tok @ {s['prefill_tokens_per_s']} tok/s, decode "
                       f"{s['decode_tokens']} tok @ {s['decode_tokens_per_s']} tok/s, KV peak "
                       f"{s['kv_cache']['blocks_peak_used']}/{s['kv_cache']['blocks_total']} blocks", highlight=False)
+    print_collective_stats(s.get("collectives"), err_console)
 
 
 def register(app: typer.Typer) -> None:
