@@ -17,7 +17,6 @@ from adapt.builtin import BUILTIN_CONFIGS
 from adapt.errors import CheckpointError, ModelNotFoundError
 from adapt.runtime.loader import SafetensorsReader
 from adapt.runtime.parallel import ParallelContext
-from adapt.source import read_config
 from adapt.spec import ModelSpec
 
 
@@ -86,6 +85,19 @@ def _world_size(man: dict) -> int | None:
         if isinstance(v, int):
             return v
     return None
+
+
+def read_config(path: Path) -> dict:
+    """A config.json as a dict, with a one-line error for every way it can be wrong."""
+    try:
+        cfg = json.loads(path.read_text())
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return cfg
 
 
 def _eos_ids(path: Path, spec: ModelSpec) -> tuple[int, ...]:

@@ -1,0 +1,74 @@
+"""adapt's own models against transformers on tiny random checkpoints of every text family (float32).
+
+Acceptance (issue 5): greedy generation of 32 tokens from several prompts equals transformers'
+generate(do_sample=False) token for token, and prefill logits differ by at most 1e-4.
+"""
+
+import pytest
+import torch
+
+from adapt.runtime.engine import Engine
+from adapt.runtime.sampling import SamplingParams
+from tests.fixtures.tiny import TINY
+from tests.runtime.models.conftest import VARIANTS
+
+FAMILIES = list(TINY) + list(VARIANTS)
+PROMPTS = [[1, 5, 9], [1, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110], [7], [1, 200, 3, 4, 5]]
+
+
+def _hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_matches_transformers(tiny_dir, name):
+    hf, path = tiny_dir(name)
+    eng = Engine.from_pretrained(path, kv_cache_memory="8MiB")
+    ids = [1, 5, 9, 33, 7, 100, 3, 64, 17, 250]
+    logits = eng.prefill_logits(ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert logits.shape == ref.shape
+    assert (logits - ref).abs().max().item() <= 1e-4
+    res = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for p, r in zip(PROMPTS, res):
+        assert r.token_ids == _hf_greedy(hf, p, 32), f"{name}: prompt {p}"
+    assert eng.block_manager.usage().used_blocks == 0  # every block returned on completion
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_hidden_states_match_transformers(tiny_dir, name):
+    hf, path = tiny_dir(name)
+    eng = Engine.from_pretrained(path, kv_cache_memory="8MiB")
+    ids = [1, 5, 9, 33, 7, 100]
+    out = eng.prefill(ids, return_hidden_states=True)
+    attn = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, o, i=i: attn.__setitem__(i, o[0]))
+             for i, layer in enumerate(hf.model.layers)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    hs = out.hidden_states
+    assert torch.allclose(hs["embed"], ref.hidden_states[0][0], atol=1e-6)
+    n = len(hf.model.layers)
+    for i in range(n - 1):
+        assert (hs[f"layers.{i}"] - ref.hidden_states[i + 1][0]).abs().max() < 1e-5
+    assert (hs["norm"] - ref.hidden_states[n][0]).abs().max() < 1e-5
+    for i in range(n):
+        assert (hs[f"layers.{i}.attn"] - attn[i][0]).abs().max() < 1e-5
+        for key in ("input_norm", "post_attn_norm", "mlp"):
+            assert hs[f"layers.{i}.{key}"].shape == (len(ids), hf.config.hidden_size)
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_reference_kernels_agree(tiny_dir, name):
+    _, path = tiny_dir(name)
+    a = Engine.from_pretrained(path, kv_cache_memory="8MiB")
+    b = Engine.from_pretrained(path, kernels="reference", kv_cache_memory="8MiB")
+    ids = [1, 5, 9, 33, 7]
+    assert (a.prefill_logits(ids) - b.prefill_logits(ids)).abs().max() < 1e-5
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert [r.token_ids for r in a.generate([ids, ids[:2]], p)] == [r.token_ids for r in b.generate([ids, ids[:2]], p)]
