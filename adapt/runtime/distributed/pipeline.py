@@ -20,19 +20,6 @@ from adapt.runtime.scheduler import ScheduledBatch
 from .context import DistributedContext
 
 
-class _Offset:
-    """A stage's KV pool indexed by global layer: the pool holds layers [start, stop) only."""
-
-    def __init__(self, layers, start: int):
-        self.layers, self.start = layers, start
-
-    def __getitem__(self, i: int):
-        return self.layers[i - self.start]
-
-    def __len__(self) -> int:
-        return self.start + len(self.layers)
-
-
 def split_batch(sb: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
     """Contiguous micro-batches of a scheduled batch, by sequences (at most ``parts``)."""
     n = len(sb.seqs)
@@ -49,14 +36,10 @@ class PipelineRunner:
         self.base, self.ctx = base, ctx
         self.model, self.kernels, self.device, self.pool = base.model, base.kernels, base.device, base.pool
         self.micro_batches = micro_batches or ctx.pp_size
-        self.start = self.model.layer_range[0]
         self.dtype = next(p.dtype for p in self.model.parameters() if not getattr(p, "keep_fp32", False))
 
     def prepare(self, sb: ScheduledBatch):
-        ids, fb, rows = self.base.prepare(sb)
-        if fb.kv is not None and self.start:
-            fb.kv = _Offset(fb.kv, self.start)
-        return ids, fb, rows
+        return self.base.prepare(sb)  # its kv list is indexed by global layer
 
     def step(self, sb: ScheduledBatch) -> torch.Tensor:
         self.ctx.step(sb.kind, len(sb.seqs))
@@ -68,8 +51,6 @@ class PipelineRunner:
     def execute(self, input_ids: torch.Tensor, fb, rows: torch.Tensor | None) -> torch.Tensor:
         if self.ctx.pp_size == 1:
             return self.base.execute(input_ids, fb, rows)
-        if fb.kv is not None and self.start:
-            fb.kv = _Offset(fb.kv, self.start)
         n = rows.numel() if rows is not None else input_ids.numel()
         return self._run([(input_ids, fb, rows)], n)
 
