@@ -66,12 +66,15 @@ def resolve_model(model: str) -> ModelSource:
 def _from_hub(repo_id: str) -> ModelSource:
     try:
         from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError
+        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
     except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
         raise ModelNotFoundError(f"huggingface_hub is not installed: cannot fetch {repo_id}") from e
     cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
     try:
-        local = hf_hub_download(repo_id, "config.json")
+        try:
+            local = hf_hub_download(repo_id, "config.json")
+        except LocalEntryNotFoundError as e:  # offline / unreachable and not cached (an EntryNotFoundError too)
+            raise ConnectionError(str(e)) from e
     except (RepositoryNotFoundError, EntryNotFoundError) as e:
         raise ModelNotFoundError(f"hub repo {repo_id!r} has no config.json or does not exist") from e
     except Exception as e:  # offline, unreachable, gated: huggingface_hub raises many types

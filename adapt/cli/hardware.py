@@ -41,6 +41,8 @@ def list_cmd(fmt: FormatOpt = "table", out: OutOpt = None) -> None:
                   f"{h.ridge_point('bfloat16'):.0f}", f"{h.intra_node_bandwidth / 1e9:.0f}",
                   f"{h.inter_node_bandwidth / 1e9:.0f}")
     console = Console()
+    if not console.is_terminal:  # piped: no 80-column wrapping
+        console = Console(width=160)
     console.print(t)
     console.print(f"Your own accelerator: copy {HARDWARE_DIR / 'template.yaml'} and pass --hardware FILE.",
                   highlight=False, soft_wrap=True)

@@ -19,6 +19,7 @@ from adapt.profile.memory import activation_peak_bytes, kv_bytes, kv_bytes_by_co
 from adapt.profile.mlp import mlp_rows
 from adapt.profile.rows import ModuleRow, with_layer
 from adapt.profile.vision import vision_rows
+from adapt.profile.weights import weight_summary
 from adapt.spec import ModelSpec, ceil_div
 
 PHASES = ("prefill", "decode", "both")
@@ -101,14 +102,15 @@ def profile_model(spec: ModelSpec, hardware: HardwareSpec, phase: str = "both", 
     phase: prefill | decode | both. batch: sequences. context: tokens per sequence (prefill length;
     tokens already cached at decode). weights_dtype: None for the checkpoint's native dtype, else
     bfloat16 | float16 | float32 | fp8 | int8 | int4 for the quantizable matrices. mla_absorb: MLA
-    decode in the weight-absorbed form (False: transformers' decompress-every-step form).
+    decode in the weight-absorbed form (False: transformers' decompress-every-step form). layout: the
+    full WeightLayout if the caller has one (else params and weight bytes come from a one-layer-per-kind
+    layout, exactly equal and much faster).
     """
     if phase not in PHASES:
         raise AdaptError(f"--phase must be one of {', '.join(PHASES)}; got {phase!r}")
     if batch < 1 or context < 1:
         raise AdaptError(f"batch and context must be >= 1; got batch={batch} context={context}")
     dt = Dtypes.for_spec(spec, weights_dtype, kv_dtype, act_dtype)
-    layout = layout or WeightLayout.from_spec(spec)
     phases = ("prefill", "decode") if phase == "both" else (phase,)
     rows: list[ModuleRow] = []
     totals: dict = {}
@@ -120,16 +122,16 @@ def profile_model(spec: ModelSpec, hardware: HardwareSpec, phase: str = "both", 
         rs = [r.roofline(hardware) for r in vision_rows(spec, dt)]
         rows += rs
         totals["vision"] = _totals(rs, "vision", batch, context)
-    p = layout.params
+    ws = weight_summary(spec, dt.weights if weights_dtype else None, layout)
+    p = ws.params
     params = dict(p.as_dict(), active_non_embedding=p.active - p.embedding)
-    weights = layout.weight_bytes(dt.weights if weights_dtype else None)
+    weights = ws.weights_bytes
     kv_ctx = kv_bytes(spec, context, batch, dt.kv)
     act = activation_peak_bytes(spec, batch, context, dt.act)
     need = weights + kv_ctx + act
     memory = {
         "weights_dtype": dt.weights, "kv_dtype": dt.kv, "act_dtype": dt.act,
-        "weights_bytes": weights, "weights_bytes_mtp": layout.weight_bytes(dt.weights if weights_dtype else None,
-                                                                           include_mtp=True) - weights,
+        "weights_bytes": weights, "weights_bytes_mtp": ws.mtp_bytes,
         "kv_bytes_per_token": kv_bytes_per_token(spec, dt.kv), "kv_bytes_by_context": kv_bytes_by_context(spec, dt.kv),
         "kv_bytes_at_context": kv_ctx, "activation_peak_bytes": act, "total_bytes_at_context": need,
         "min_devices_for_memory": ceil_div(int(need), int(hardware.memory_bytes)),

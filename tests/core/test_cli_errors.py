@@ -1,0 +1,84 @@
+"""Bad input through the CLI: non-zero exit, one line on stderr, no traceback; ADAPT_DEBUG=1 shows it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adapt.cli.main import main
+from tests.fixtures.tiny import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def write(tmp_path, data, name="config.json"):
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(p)
+
+
+def bad_inputs(tmp_path):
+    # every llama key has a transformers default; DeepSeek-V2's num_experts_per_tok has none
+    no_topk = tiny_config("deepseek_v2")
+    del no_topk["num_experts_per_tok"]
+    return {
+        "malformed JSON": ([write(tmp_path, '{"model_type": "llama",', "a.json")], "malformed JSON at line 1"),
+        "missing key": ([write(tmp_path, no_topk, "b.json")], "missing required key 'num_experts_per_tok'"),
+        "no model_type": ([write(tmp_path, {"hidden_size": 64}, "c.json")], "no 'model_type'"),
+        "unknown model_type": ([write(tmp_path, {"model_type": "gpt_neox"}, "d.json")],
+                               "supported: llama, mistral"),
+        "heads not dividing hidden": ([write(tmp_path, tiny_config("llama", hidden_size=66, head_dim=None), "e.json")],
+                                      "not divisible by num_attention_heads"),
+        "kv heads not dividing heads": ([write(tmp_path, tiny_config("llama", num_key_value_heads=3), "f.json")],
+                                        "not divisible by num_key_value_heads"),
+        "unknown hardware": (["tiny-llama", "--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'; built-in: "),
+        "missing hardware file": (["tiny-llama", "--hardware", "nope.yaml"], "does not exist"),
+        "bad format": (["tiny-llama", "--format", "xml"], "--format must be one of"),
+        "bad phase": (["tiny-llama", "--phase", "train"], "--phase must be one of"),
+        "bad dtype": (["tiny-llama", "--weights-dtype", "fp7"], "unknown dtype 'fp7'"),
+        "unknown model": (["no-such-model"], "is not a directory, a config file"),
+    }
+
+
+def test_bad_inputs_one_line_no_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("ADAPT_DEBUG", raising=False)
+    for what, (argv, message) in bad_inputs(tmp_path).items():
+        code, out, err = run(["profile", *argv], capsys)
+        assert code != 0, what
+        assert out == "", what
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, (what, err)
+        assert lines[0].startswith("error: ") and message in lines[0], (what, lines[0])
+        assert "Traceback" not in err
+
+
+def test_bad_hardware_yaml(tmp_path, capsys):
+    bad = write(tmp_path, "name: X\nmemory_bytes: -1\n", "hw.yaml")
+    code, _, err = run(["profile", "tiny-llama", "--hardware", bad], capsys)
+    assert code == 1 and "missing required key" in err and len(err.strip().splitlines()) == 1
+    broken = write(tmp_path, "name: [unclosed\n", "hw2.yaml")
+    code, _, err = run(["profile", "tiny-llama", "--hardware", broken], capsys)
+    assert code == 1 and "malformed YAML" in err
+
+
+def test_debug_shows_traceback(tmp_path):
+    cfg = write(tmp_path, {"model_type": "gpt_neox"})
+    env = dict(os.environ, ADAPT_DEBUG="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "adapt", "profile", cfg], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=60)
+    assert r.returncode != 0
+    assert "Traceback (most recent call last)" in r.stderr and "UnsupportedModelError" in r.stderr
+    env.pop("ADAPT_DEBUG")
+    r = subprocess.run([sys.executable, "-m", "adapt", "profile", cfg], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr

@@ -1,0 +1,92 @@
+import csv
+import io
+import json
+import re
+
+import pytest
+
+from adapt.cli.main import main
+
+KIMI = "/work/shared/configs/moonshotai__Kimi-K2-Instruct.json"
+
+
+def run(argv, capsys):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_stdout_is_only_json(capsys):
+    code, out, err = run(["profile", "tiny-k2", "--format", "json", "--batch", "2", "--context", "64"], capsys)
+    assert code == 0
+    d = json.loads(out)
+    assert d["settings"]["batch"] == 2 and d["settings"]["context"] == 64
+    assert {"model", "hardware", "params", "memory", "modules", "totals"} <= set(d)
+    assert d["hardware"]["name"] == "H100 SXM"
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_phase_option(phase, capsys):
+    code, out, _ = run(["profile", "tiny-qwen3-moe", "-f", "json", "--phase", phase, "-H", "mi300x"], capsys)
+    d = json.loads(out)
+    assert set(d["totals"]) == {phase} and {r["phase"] for r in d["modules"]} == {phase}
+    assert d["hardware"]["name"] == "MI300X"
+
+
+def test_csv_md_html(tmp_path, capsys):
+    code, out, _ = run(["profile", "tiny-k2", "-f", "csv"], capsys)
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert code == 0 and rows and {"name", "phase", "op", "flops", "bytes", "bound", "time_s"} <= set(rows[0])
+    code, out, _ = run(["profile", "tiny-k2", "-f", "md", "--weights-dtype", "fp8"], capsys)
+    assert out.startswith("# adapt profile") and "| layers | module |" in out and "mlp.experts" in out
+    html = tmp_path / "p.html"
+    code, out, err = run(["profile", "tiny-k2", "-f", "html", "-o", str(html)], capsys)
+    assert code == 0 and out == "" and "wrote" in err
+    text = html.read_text()
+    assert "<svg" in text and text.count("<circle") > 30 and "<polyline" in text
+    assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", text) and "<script" not in text
+
+
+def test_html_escapes_model_name(tmp_path, capsys):
+    from adapt.builtin import builtin_config
+
+    cfg = builtin_config("tiny-llama")
+    d = tmp_path / "<script>alert(1)<"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, out, _ = run(["profile", str(d), "-f", "html"], capsys)
+    assert code == 0 and "<script>alert" not in out and "&lt;script&gt;" in out
+
+
+def test_table_default_aggregates_layers(capsys):
+    code, out, _ = run(["profile", KIMI, "--context", "1024"], capsys)
+    assert code == 0
+    assert "layers[1-60] moe" in out and "mlp.experts" in out and "TPOT" in out and "TTFT" in out
+    assert len(out.splitlines()) < 120  # 61 layers, readable
+
+
+def test_table_to_file(tmp_path, capsys):
+    f = tmp_path / "t.txt"
+    code, out, _ = run(["profile", "tiny-llama", "-o", str(f)], capsys)
+    assert code == 0 and out == "" and "self_attn.q_proj" in f.read_text()
+
+
+def test_hardware_list(capsys):
+    code, out, _ = run(["hardware", "list", "--format", "json"], capsys)
+    specs = json.loads(out)
+    ids = {s["id"] for s in specs}
+    assert {"h100-sxm", "h200", "a100-80gb", "b200", "mi300x", "ascend-910b"} <= ids and "template" not in ids
+    assert all(s["source"] for s in specs)
+    code, out, _ = run(["hardware", "list"], capsys)
+    assert code == 0 and "MI300X" in out and "template.yaml" in out
+
+
+def test_template_loads():
+    from adapt.hardware import HARDWARE_DIR, load_hardware
+
+    hw = load_hardware(str(HARDWARE_DIR / "template.yaml"))
+    assert hw.peak_flops("bfloat16") == 8.0e14 and hw.memory_bandwidth == 3.0e12
