@@ -1,0 +1,142 @@
+"""Engine behaviour: ragged batches, cache reuse and freeing, sampling and stop rules, int8 KV, errors."""
+
+import json
+
+import pytest
+import torch
+
+from adapt.errors import CheckpointError, RuntimeConfigError
+from adapt.runtime.cache.kv_pool import KVCacheSpec
+from adapt.runtime.engine import Engine, parse_memory
+from adapt.runtime.init_model import init_model
+from adapt.runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def k2(tmp_path_factory):
+    return init_model("tiny-k2", tmp_path_factory.mktemp("k2"))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return init_model("tiny-llama", tmp_path_factory.mktemp("llama"))
+
+
+def _ragged(n=8):
+    return [[1] + [(13 * i + 7 * j) % 500 + 5 for j in range(3 + 5 * i)] for i in range(n)]
+
+
+@pytest.mark.parametrize("which", ["k2", "llama"])
+def test_ragged_batch_equals_each_alone(which, request):
+    eng = Engine.from_pretrained(request.getfixturevalue(which), kv_cache_memory="16MiB", block_size=8)
+    prompts = _ragged(8)
+    batch = [r.token_ids for r in eng.generate(prompts, GREEDY)]
+    alone = [eng.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert batch == alone
+    st = eng.last_stats
+    assert st["kv_cache"]["blocks_used_after"] == 0 and st["kv_cache"]["blocks_peak_used"] > 0
+    assert st["decode_tokens_per_s"] > 0 and st["prefill_tokens"] > 0
+
+
+def test_preemption_keeps_greedy_tokens(llama):
+    # a cache too small for all 8 sequences at once forces recompute preemption
+    full = Engine.from_pretrained(llama, kv_cache_memory="16MiB", block_size=4)
+    per_block = full.pool.bytes_per_token * 4
+    small = Engine.from_pretrained(llama, kv_cache_memory=str(per_block * 12), block_size=4)
+    assert small.pool.num_blocks == 12
+    prompts = _ragged(4)
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert [r.token_ids for r in small.generate(prompts, p)] == [r.token_ids for r in full.generate(prompts, p)]
+    assert small.last_stats["preemptions"] > 0
+
+
+def test_sampling_seed_stop_and_limits(llama):
+    eng = Engine.from_pretrained(llama, kv_cache_memory="16MiB")
+    ids = eng.tokenizer.encode("Hello there")
+    s = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
+    a, b = eng.generate([ids, ids], s)
+    assert a.token_ids == b.token_ids == eng.generate([ids], s)[0].token_ids  # per-request seed
+    greedy = eng.generate([ids], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert len(greedy.token_ids) == 10 and greedy.finish_reason == "length"
+    stop_id = greedy.token_ids[3]
+    r = eng.generate([ids], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=(stop_id,)))[0]
+    assert r.finish_reason == "stop" and r.token_ids[-1] == stop_id and len(r.token_ids) <= 4
+    text = eng.tokenizer.decode(greedy.token_ids)
+    probe = text[len(text) // 2:len(text) // 2 + 2]
+    if probe.strip():
+        r = eng.generate([ids], SamplingParams(temperature=0, max_tokens=10, stop=(probe,), ignore_eos=True))[0]
+        assert r.finish_reason == "stop" and probe not in r.text
+
+
+def test_int8_kv_cache_halves_bytes_and_runs(k2, llama):
+    for kind in ("mha", "mla"):
+        args = (2, 8, 128) if kind == "mha" else (2, 512, 64)
+        mk = KVCacheSpec.mha if kind == "mha" else KVCacheSpec.mla
+        bf, q = mk(*args, torch.bfloat16), mk(*args, torch.bfloat16, quant="int8")
+        assert q.bytes_per_token() / bf.bytes_per_token() <= 0.52  # half, plus one fp32 scale per vector
+    for path in (k2, llama):
+        ref = Engine.from_pretrained(path, kv_cache_memory="16MiB")
+        eng = Engine.from_pretrained(path, kv_cache_memory="16MiB", kv_cache_dtype="int8")
+        assert eng.pool.spec.quant == "int8"
+        prompts = _ragged(3)
+        a = [r.token_ids for r in ref.generate(prompts, GREEDY)]
+        b = [r.token_ids for r in eng.generate(prompts, GREEDY)]
+        agree = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(map(len, a))
+        assert agree > 0.5
+
+
+def test_bfloat16_runs(k2):
+    eng = Engine.from_pretrained(k2, dtype="bfloat16", kv_cache_memory="16MiB")
+    r = eng.generate(_ragged(2), GREEDY)
+    assert all(len(x.token_ids) == 12 for x in r)
+
+
+def test_errors_are_one_line(k2, tmp_path):
+    for kw, msg in ((dict(device="nosuchdevice"), "device"), (dict(dtype="int4"), "--dtype"),
+                    (dict(kernels="fast"), "--kernels"), (dict(kv_cache_dtype="fp4"), "--kv-cache-dtype")):
+        with pytest.raises(RuntimeConfigError, match=msg) as e:
+            Engine.from_pretrained(k2, kv_cache_memory="1MiB", **kw)
+        assert "\n" not in str(e.value)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeConfigError, match="cuda"):
+            Engine.from_pretrained(k2, device="cuda")
+    with pytest.raises(RuntimeConfigError):
+        parse_memory("lots")
+    assert parse_memory("2GiB") == (2 << 30, None) and parse_memory("0.5") == (None, 0.5)
+    eng = Engine.from_pretrained(k2, kv_cache_memory="1MiB")
+    with pytest.raises(RuntimeConfigError, match="vocabulary"):
+        eng.generate([[1, 99999]], GREEDY)
+    with pytest.raises(CheckpointError):
+        (tmp_path / "config.json").write_text(json.dumps(json.loads((k2 / "config.json").read_text())))
+        Engine.from_pretrained(tmp_path, kv_cache_memory="1MiB")
+
+
+def test_loads_shard_output_and_index_sharded(k2, tmp_path):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(k2 / "model.safetensors"))
+    names = sorted(tensors)
+    # index.json-sharded checkpoint
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (ck / f).write_bytes((k2 / f).read_bytes())
+    halves = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for f, ns in halves.items():
+        save_file({n: tensors[n] for n in ns}, str(ck / f))
+    (ck / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, ns in halves.items() for n in ns}}))
+    # single-rank shard output
+    out = tmp_path / "shards"
+    (out / "rank-00000").mkdir(parents=True)
+    (out / "config.json").write_bytes((k2 / "config.json").read_bytes())
+    (out / "manifest.json").write_text(json.dumps({"world_size": 1}))
+    save_file(tensors, str(out / "rank-00000" / "part-0.safetensors"))
+    ids = [0, 5, 9, 33]
+    ref = Engine.from_pretrained(k2, kv_cache_memory="1MiB").prefill_logits(ids)
+    for path in (ck, out):
+        assert torch.equal(Engine.from_pretrained(path, kv_cache_memory="1MiB").prefill_logits(ids), ref)
+    (out / "manifest.json").write_text(json.dumps({"world_size": 2}))
+    with pytest.raises(CheckpointError, match="2 ranks"):
+        Engine.from_pretrained(out, kv_cache_memory="1MiB")
