@@ -40,23 +40,37 @@ def models(tmp_path_factory):
     return ckpts, outs
 
 
+_CONFIG = {}
+
+
+@pytest.fixture(autouse=True)
+def _keep_config(request):
+    _CONFIG["c"] = request.config
+
+
+def _config():
+    return _CONFIG["c"]
+
+
 def _reference(ckpt):
     from adapt.runtime.engine import Engine
 
     eng = Engine.from_pretrained(ckpt, kv_cache_memory="16MiB")
-    toks = [r.token_ids for r in eng.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
+    toks = [r.token_ids for r in eng.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     return toks, [eng.prefill_logits(p) for p in PROMPTS]
 
 
 def _ranks(rank: int, world: int, dirs: list[str]) -> list:
     from adapt.runtime.distributed.generate import generate, open_distributed
+    from adapt.runtime.distributed.stats import compare_with_planner
 
     out = []
     for d in dirs:
         eng, ctx = open_distributed(d, timeout_s=60, kv_cache_memory="16MiB")
-        res = generate(eng, ctx, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        res = generate(eng, ctx, PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        cmp = compare_with_planner(eng.spec, ctx.plan, ctx.rank, ctx.steps, "float32")
         logits = [eng.prefill_logits(p) for p in PROMPTS]
-        out.append(([r.token_ids for r in res] if res is not None else None, logits))
+        out.append(([r.token_ids for r in res] if res is not None else None, logits, cmp))
     return out
 
 
@@ -65,6 +79,9 @@ def test_layouts_match_one_rank(models, world):
     ckpts, outs = models
     layouts = LAYOUTS[world]
     got = spawn(_ranks, world, [str(outs[_name(m, d)]) for m, d in layouts])
+    if not hasattr(pytest_config := _config(), "cache_layouts"):
+        pytest_config.cache_layouts = {}
+    pytest_config.cache_layouts[world] = got
     refs = {m: _reference(ckpts[m]) for m in {m for m, _ in layouts}}
     for li, (model, deg) in enumerate(layouts):
         toks, logits = refs[model]
@@ -72,3 +89,26 @@ def test_layouts_match_one_rank(models, world):
         for rank in range(world):
             for a, b in zip(got[rank][li][1], logits):
                 assert torch.allclose(a, b, atol=1e-4, rtol=0), (model, deg, rank, (a - b).abs().max().item())
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_collective_bytes_match_planner(models, world, request):
+    """Measured bytes per decode step within 10% of adapt.profile.planner's estimate, every rank and layout."""
+    got = request.config.cache_layouts[world] if hasattr(request.config, "cache_layouts") else None
+    assert got is not None, "runs after test_layouts_match_one_rank"
+    for li, (model, deg) in enumerate(LAYOUTS[world]):
+        meas = est = 0.0
+        for rank in range(world):
+            cmp = got[rank][li][2]
+            assert cmp["decode_steps"] == MAX_TOKENS - 1
+            for kind in ("tp_allreduce", "tp_allgather", "pp_send"):  # exact: no routing involved
+                r = cmp["ratio"][kind]
+                assert r is not None and abs(r - 1) <= 0.10, (model, deg, rank, kind, cmp)
+            meas += cmp["measured_per_step"]["total"]
+            est += cmp["estimated_per_step"]["total"]
+        # the all-to-all depends on routing; the planner assumes it uniform, so compare over the world
+        a2a_m = sum(got[r][li][2]["measured_per_step"]["ep_alltoall"] for r in range(world))
+        a2a_e = sum(got[r][li][2]["estimated_per_step"]["ep_alltoall"] for r in range(world))
+        print(f"{model} {deg}: measured {meas:.0f} B/decode step over {world} ranks, estimated {est:.0f} "
+              f"(ratio {meas / est:.3f}; all-to-all {a2a_m:.0f} vs {a2a_e:.0f})")
+        assert abs(meas / est - 1) <= 0.10, (model, deg, meas, est)
