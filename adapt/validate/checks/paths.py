@@ -110,7 +110,8 @@ def kv_quant_impact(params: Mapping[str, Any], thresholds: Mapping[str, float], 
 
     kv = str(params.get("kv_dtype", "int8"))
     refs, quants, ids = [], [], []
-    for p in ctx.prompts:
+    # every position is a decode step through the cache (slow on CPU): the first max_prompts prompts
+    for p in ctx.prompts[: int(params.get("max_prompts", 2))]:
         base = decode_logits_with_kv(ctx.target, p, kv_dtype=None)
         if base is None:
             raise Skip("the runtime cannot run with a chosen KV cache dtype yet")

@@ -1,0 +1,60 @@
+"""`adapt day0`: the whole chain into one directory, every stage logged with its time and artifacts."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from adapt.validate.checklist import default_checklist_path
+from tests.fixtures.tiny import save_tiny
+from tests.validate.test_validate_cli import run_cli
+
+STAGES = ["profile", "plan", "shard", "run", "validate", "report"]
+
+
+def _check_dir(out, with_model: bool):
+    d = json.loads((out / "day0.json").read_text())
+    names = [s["name"] for s in d["stages"]]
+    assert names == (["init"] if with_model else []) + STAGES
+    for s in d["stages"]:
+        assert s["status"] == "pass", s
+        assert s["seconds"] >= 0 and s["artifacts"]
+        for a in s["artifacts"]:
+            assert (out / a).exists(), a  # every artifact lands in DIR
+    for f in ("profile.json", "plan.yaml", "plan.json", "shard/manifest.json", "run.json", "day0.md",
+              "validate/report.json", "validate/report.html", "validate/junit.xml", "validate/summary.md"):
+        assert (out / f).is_file(), f
+    assert json.loads((out / "run.json").read_text())
+    return d
+
+
+def test_day0_on_a_given_model_with_a_short_checklist(tmp_path):
+    """The cheap flow: a 2-layer llama and the day0 checklist cut to loading, text, layers."""
+    _, model = save_tiny("llama", tmp_path / "llama")
+    cl = tmp_path / "short.yaml"
+    import yaml
+
+    doc = yaml.safe_load(default_checklist_path().read_text())
+    doc["sections"] = [s for s in doc["sections"] if s["id"] in ("model_loading", "runtime_startup",
+                                                                  "text_inference", "layer_alignment")]
+    cl.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "day0"
+    assert run_cli("day0", model, "--out", out, "--checklist", cl) == 0
+    d = _check_dir(out, with_model=False)
+    v = json.loads((out / "validate" / "report.json").read_text())
+    st = {it["id"]: it["status"] for it in v["items"]}
+    assert st["manifest_verify"] == "pass" and st["prefill_logits"] == "pass" and st["hidden_states"] == "pass"
+    assert v["environment"]["target_kind"] == "shard" and d["exit_code"] == 0
+
+
+@pytest.mark.slow
+def test_day0_with_no_argument_builds_tiny_k2_and_finishes_in_3_minutes(tmp_path):
+    out = tmp_path / "day0"
+    t0 = time.perf_counter()
+    rc = run_cli("day0", "--out", out)
+    assert time.perf_counter() - t0 < 180
+    assert rc == 0
+    _check_dir(out, with_model=True)
+    assert (out / "model" / "config.json").is_file()
