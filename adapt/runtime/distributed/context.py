@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,8 +116,10 @@ class DistributedContext(ParallelContext):
             d[name] = d.get(name, 0) + n
 
     def _fail(self, op: str, group: str, e: BaseException) -> PeerFailure:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = re.sub(r"^\[[^\]]*\] ", "", why).split(". This is typically")[0]  # gloo's source location
         return PeerFailure(f"rank {self.rank}: {op} over {group} group (ranks {self._members(group)}) "
-                           f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__} "
+                           f"failed: {why} "
                            f"(a peer failed, or the collective passed --dist-timeout {self.timeout_s:g} s)")
 
     # -- collectives ----------------------------------------------------------------------------

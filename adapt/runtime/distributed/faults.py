@@ -83,7 +83,9 @@ def describe_failure(err) -> str:
         msg = f.message
         if isinstance(msg, dict):
             msg = msg.get("message", "")
-        if not msg or "To enable traceback" in str(msg):
+        if f.exitcode < 0 and not isinstance(f.message, dict):
+            msg = f"killed by {f.signal_name()} (exit code {f.exitcode}, pid {f.pid})"
+        elif not msg or "To enable traceback" in str(msg):
             msg = (f"killed by {f.signal_name()} (exit code {f.exitcode})" if f.exitcode < 0
                    else f"exited with code {f.exitcode}")
         msg = str(msg)

@@ -13,6 +13,9 @@ opens a step for the byte accounting.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import torch
 
 from adapt.runtime.scheduler import ScheduledBatch
@@ -43,6 +46,7 @@ class PipelineRunner:
 
     def step(self, sb: ScheduledBatch) -> torch.Tensor:
         self.ctx.step(sb.kind, len(sb.seqs))
+        _inject_fault(self.ctx.rank, len(self.ctx.steps))
         if self.ctx.pp_size == 1:
             return self.base.step(sb)
         mbs = split_batch(sb, self.micro_batches)
@@ -77,3 +81,15 @@ class PipelineRunner:
         else:
             out = torch.empty(num_rows, model.spec.vocab_size, dtype=torch.float32, device=self.device)
         return ctx.broadcast(out, ctx.stage_peer(ctx.pp_size - 1), group="pp")
+
+
+def _inject_fault(rank: int, step: int) -> None:
+    """Fault injection for the fault tests: ADAPT_INJECT_FAULT=RANK:STEP:kill|raise."""
+    spec = os.environ.get("ADAPT_INJECT_FAULT")
+    if not spec:
+        return
+    r, s, how = spec.split(":")
+    if int(r) == rank and int(s) == step:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault at step {step}")
