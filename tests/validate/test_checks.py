@@ -1,0 +1,74 @@
+"""Individual checks on a tiny model: operators vs twins (fp32 and the bf16 2x rule), the long-context
+ladder's rungs and skips, skip reasons when a stage is missing, and first-divergence localisation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adapt.validate.checklist import Skip
+from adapt.validate.checks.layers import locate_first_divergence
+from adapt.validate.checks.loading import manifest_verify, staged_init
+from adapt.validate.checks.operators import operator_alignment
+from adapt.validate.checks.paths import image_path, long_context, parallel_consistency
+from adapt.validate.context import ValidationContext
+from adapt.validate.reference import HFReference, TransformersModel
+from adapt.validate.target import Target
+from tests.fixtures.tiny import save_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    _, d = save_tiny("llama", tmp_path_factory.mktemp("m") / "llama", max_position_embeddings=256)
+    return d
+
+
+def _ctx(path: Path, dtype: str = "float32", runner=None) -> ValidationContext:
+    ref = HFReference(path)
+    run = runner if runner is not None else ref.model
+    return ValidationContext(Target(path, "hf", "transformers", run), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_operator_alignment_every_kernel(tiny, dtype):
+    out = operator_alignment({"kernels": "all"}, {}, _ctx(tiny, dtype))
+    assert out.metrics["kernels"] == 16 and out.metrics["kernels_without_case"] == 0
+    if dtype == "float32":
+        assert out.metrics["max_abs"] <= 1e-5  # [twin]
+    else:
+        assert out.metrics["max_abs_vs_torch_ratio"] <= 2.0  # [fa2x]
+
+
+def test_long_context_ladder_runs_what_fits_and_says_why_not(tiny):
+    ctx = _ctx(tiny)
+    out = long_context({"lengths": [64, 128, 1024]}, {}, ctx)
+    assert out.metrics["rungs"] == 2 and out.metrics["max_abs"] == 0.0
+    assert "1024: beyond max_position_embeddings 256" in out.message
+    with pytest.raises(Skip, match="no rung ran"):
+        long_context({"lengths": [1024]}, {}, ctx)
+
+
+def test_missing_stages_skip_with_reasons(tiny):
+    ctx = _ctx(tiny)
+    for fn, why in ((manifest_verify, "not an `adapt shard` output"), (staged_init, "adapt's runtime"),
+                    (image_path, "text-only"), (parallel_consistency, "distributed runtime")):
+        with pytest.raises(Skip, match=why):
+            fn({}, {}, ctx)
+
+
+class _Scaled(TransformersModel):
+    """The reference with layer 0's MLP output scaled: the first divergence must be layers.0.mlp."""
+
+    def layer_outputs(self, ids):
+        out = super().layer_outputs(ids)
+        out["layers.0.mlp"] = out["layers.0.mlp"] * 1.1
+        out["layers.1"] = out["layers.1"] + 1e-3
+        return out
+
+
+def test_first_divergence_is_the_earliest_module(tiny):
+    run = _Scaled.load(tiny)
+    fd = locate_first_divergence(_ctx(tiny, runner=run))
+    assert fd["layer"] == 0 and fd["module"] == "mlp" and fd["name"] == "layers.0.mlp"
+    assert locate_first_divergence(_ctx(tiny)) is None
