@@ -19,6 +19,7 @@ from adapt.shard.header import Header, read_header
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Non-weight buffers some checkpoints carry; never sharded, never an error.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+READ_CHUNK = 32 << 20  # bytes of source rows mapped at once
 
 
 @dataclass(frozen=True)
@@ -38,17 +39,8 @@ class Checkpoint:
         self.tensors = tensors
         self.files = files
         self.pickle = pickle
-        self._local = threading.local()
         self._pickled: dict[str, dict] = {}
         self._lock = threading.Lock()
-
-    def _handle(self, file: str):
-        from safetensors import safe_open
-
-        handles = self._local.__dict__.setdefault("h", {})
-        if file not in handles:
-            handles[file] = safe_open(str(self.directory / file), framework="pt")
-        return handles[file]
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0):
         """The tensor ``name``, or its [start, stop) part along ``dim``: only that part is read."""
@@ -59,14 +51,37 @@ class Checkpoint:
                     self._pickled[t.file] = _torch_load(self.directory / t.file)
             full = self._pickled[t.file][name]
             return full.clone() if dim is None else full.narrow(dim, start, stop - start).clone()
-        sl = self._handle(t.file).get_slice(name)
-        if dim is None:
-            return sl[...] if len(t.shape) else self._handle(t.file).get_tensor(name)
-        index = tuple([slice(None)] * dim + [slice(start, stop)])
-        return sl[index]
+        return self._read_safetensors(t, dim, start, stop)
+
+    def _read_safetensors(self, t: SourceTensor, dim: int | None, start: int, stop: int):
+        """Copy the slice into a fresh tensor in chunks of whole dim-0 rows, each through its own short-lived
+        ``safe_open``: the file mapping is dropped after every chunk, so resident memory stays at the output
+        slice plus one chunk whatever the file size."""
+        import torch
+        from safetensors import safe_open
+
+        path = str(self.directory / t.file)
+        shape = list(t.shape)
+        if dim is not None:
+            shape[dim] = stop - start
+        out = torch.empty(shape, dtype=getattr(torch, t.dtype))
+        if not shape or out.numel() == 0:
+            with safe_open(path, framework="pt") as f:
+                return f.get_tensor(t.name).clone() if not shape else out
+        rows = shape[0]
+        row0 = start if dim == 0 else 0
+        src_row_bytes = max(1, t.nbytes // max(1, t.shape[0]))
+        step = max(1, READ_CHUNK // src_row_bytes)
+        rest = [slice(None)] * (len(shape) - 1)
+        if dim is not None and dim > 0:
+            rest[dim - 1] = slice(start, stop)
+        for r in range(0, rows, step):
+            r1 = min(rows, r + step)
+            with safe_open(path, framework="pt") as f:
+                out[r:r1] = f.get_slice(t.name)[(slice(row0 + r, row0 + r1), *rest)]
+        return out
 
     def close(self) -> None:
-        self._local = threading.local()
         self._pickled.clear()
 
 

@@ -266,8 +266,9 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
             written[1] += f.nbytes
 
     try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            src_futs = [pool.submit(hash_source, f) for f in ckpt.files]
+        # source checksums on their own thread, overlapping the writers
+        with ThreadPoolExecutor(max_workers=1) as hasher, ThreadPoolExecutor(max_workers=workers) as pool:
+            src_futs = [hasher.submit(hash_source, f) for f in ckpt.files]
             futs = [pool.submit(write_file, f) for f in sorted(files, key=lambda f: -f.nbytes)]
             for fut in futs + src_futs:
                 fut.result()

@@ -1,0 +1,146 @@
+"""adapt shard throughput and memory on a synthetic >= 2 GB checkpoint, against peers in the same run.
+
+Prints one JSON document: adapt's GB/s (workers 1 and 2), `cp` of the same files on the same disk (with and
+without `sync`, since adapt fsyncs every file), a load-everything-then-split baseline, and adapt's peak RSS
+against the largest tensor. Goals: adapt >= 0.7 x cp; peak RSS <= 2 x largest tensor + 300 MB.
+Usage: python bench/shard_bench.py [--gb 2.2] [--tp 2] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BASELINE = r'''
+import sys, json, time
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+from adapt.layout import WeightLayout
+from adapt.plan import ParallelPlan, rank_tensors
+from adapt.spec import ModelSpec
+src, out, tp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+t0 = time.perf_counter()
+spec = ModelSpec.from_hf_config(json.loads((src / "config.json").read_text()))
+sd = {}
+for f in sorted(src.glob("*.safetensors")):
+    sd.update(load_file(str(f)))           # the whole model in memory
+layout, plan = WeightLayout.from_spec(spec), ParallelPlan.build(spec, tp=tp)
+for r in range(plan.world_size):
+    part = {}
+    for t, s in rank_tensors(layout, plan, r):
+        x = sd[t.name]
+        part[t.name] = x if s.whole else x.narrow(s.dim, s.start, s.stop - s.start).contiguous()
+    (out / f"rank-{r:05d}").mkdir(parents=True)
+    save_file(part, str(out / f"rank-{r:05d}" / "model.safetensors"))
+print(time.perf_counter() - t0)
+'''
+
+
+def make_checkpoint(d: Path, gb: float) -> tuple[int, int]:
+    """A llama-shaped bf16 checkpoint of about `gb` GB in ~500 MB files; returns (bytes, largest tensor)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from adapt.layout import WeightLayout
+    from adapt.spec import ModelSpec
+
+    per_layer = (4 * 4096 * 4096 + 3 * 4096 * 11008) * 2
+    layers = max(1, round((gb * 1e9 - 2 * 32000 * 4096 * 2) / per_layer))
+    cfg = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers,
+               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, torch_dtype="bfloat16")
+    (d / "config.json").write_text(json.dumps(cfg))
+    layout = WeightLayout.from_spec(ModelSpec.from_hf_config(cfg))
+    noise = torch.randn(64 << 20, dtype=torch.bfloat16)  # 128 MB of random bf16, tiled
+    files, cur, size, weight_map = [], {}, 0, {}
+    for t in list(layout) + [None]:
+        if t is None or (size and size + t.nbytes > 500e6):
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(cur, str(d / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in cur})
+            files.append(name)
+            cur, size = {}, 0
+            if t is None:
+                break
+        n = t.numel
+        cur[t.name] = noise.repeat(-(-n // noise.numel()))[:n].view(t.shape).clone()
+        size += t.nbytes
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return sum(t.nbytes for t in layout), max(t.nbytes for t in layout)
+
+
+def run_child(cmd: list[str], **kw) -> tuple[float, int, subprocess.CompletedProcess | None]:
+    """(wall seconds, peak RSS bytes of that child alone via wait4, stdout)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, **kw)
+    out = p.stdout.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{cmd[:4]} failed with {status}")
+    return wall, ru.ru_maxrss * 1024, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=2.2)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dir", default=None)
+    a = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="adapt-shard-bench-", dir=a.dir))
+    try:
+        src = root / "ckpt"
+        src.mkdir()
+        total, largest = make_checkpoint(src, a.gb)
+        subprocess.run(f"cat {src}/*.safetensors > /dev/null", shell=True, check=True)  # same cache state for all
+        subprocess.run(["sync"], check=True)
+        res: dict = dict(checkpoint_bytes=total, largest_tensor_bytes=largest, tp=a.tp)
+        for workers in (1, 2):
+            out = root / f"out-w{workers}"
+            wall, rss, so = run_child([sys.executable, "-m", "adapt", "shard", str(src), "--out", str(out), "--tp",
+                                       str(a.tp), "--workers", str(workers), "--format", "json"])
+            s = json.loads(so)
+            res[f"adapt_w{workers}"] = dict(wall_s=round(wall, 3), inner_s=s["seconds"], bytes=s["bytes_written"],
+                                            gb_per_s=round(s["bytes_written"] / wall / 1e9, 3),
+                                            peak_rss_bytes=rss)
+            shutil.rmtree(out)
+            subprocess.run(["sync"], check=True)
+        t0 = time.perf_counter()
+        subprocess.run(["cp", "-r", str(src), str(root / "cp")], check=True)
+        cp_s = time.perf_counter() - t0
+        subprocess.run(["sync"], check=True)
+        cp_sync_s = time.perf_counter() - t0
+        shutil.rmtree(root / "cp")
+        subprocess.run(["sync"], check=True)
+        res["cp"] = dict(wall_s=round(cp_s, 3), gb_per_s=round(total / cp_s / 1e9, 3))
+        res["cp_sync"] = dict(wall_s=round(cp_sync_s, 3), gb_per_s=round(total / cp_sync_s / 1e9, 3))
+        wall, rss, _ = run_child([sys.executable, "-c", BASELINE, str(src), str(root / "naive"), str(a.tp)])
+        t0 = time.perf_counter()
+        subprocess.run(["sync"], check=True)
+        wall_sync = wall + time.perf_counter() - t0
+        res["load_all_then_split"] = dict(wall_s=round(wall, 3), wall_with_sync_s=round(wall_sync, 3),
+                                          gb_per_s=round(total / wall / 1e9, 3), peak_rss_bytes=rss)
+        best = max(res["adapt_w1"]["gb_per_s"], res["adapt_w2"]["gb_per_s"])
+        rss1 = res["adapt_w1"]["peak_rss_bytes"]
+        res["ratio_vs_cp"] = round(best / res["cp"]["gb_per_s"], 3)
+        res["ratio_vs_cp_sync"] = round(best / res["cp_sync"]["gb_per_s"], 3)
+        res["ratio_vs_load_all"] = round(best / res["load_all_then_split"]["gb_per_s"], 3)
+        res["rss_goal_bytes"] = 2 * largest + 300 * 2**20
+        res["rss_ok"] = rss1 <= res["rss_goal_bytes"]
+        res["env"] = dict(python=platform.python_version(), cpus=os.cpu_count(), machine=platform.machine())
+        print(json.dumps(res, indent=2))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()
