@@ -1,0 +1,192 @@
+"""adapt's runtime against transformers on the same ~100-200M-parameter models, built in this script.
+
+Prints one JSON document: for a dense llama-like model and a MoE model (32 experts), decode tokens/s at
+batch 1 and 16 and prefill tokens/s, for adapt and transformers; the MoE layer alone against
+transformers' experts implementation (its default, and eager) at 1, 16 and 512 tokens; the bandwidth
+achieved at batch-1 float32 decode of the dense model (weight bytes read per token x tokens/s) against
+a memory-copy bandwidth measured in the same run. Medians of a few repeats after a warm-up.
+
+    python bench/runtime_bench.py [--device cpu] [--decode-tokens 32] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from adapt.runtime.engine import Engine  # noqa: E402
+from adapt.runtime.models.batch import ForwardBatch  # noqa: E402
+from adapt.runtime.sampling import SamplingParams  # noqa: E402
+
+DENSE = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+             num_attention_heads=12, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096,
+             bos_token_id=1, eos_token_id=2)
+MOE = dict(model_type="qwen3_moe", hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+           num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=32000, num_experts=32,
+           num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True, decoder_sparse_step=1,
+           mlp_only_layers=[], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, dev, repeat=3, warmup=1):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        _sync(dev)
+        t = time.perf_counter()
+        fn()
+        _sync(dev)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def build(cfg, path: Path):
+    import transformers
+
+    torch.manual_seed(0)
+    c = dict(cfg)
+    mt = c.pop("model_type")
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(mt, **c))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif name.endswith("gate.weight"):
+                p.normal_(0, 0.1)
+    hf.save_pretrained(path)
+    return hf.eval(), sum(p.numel() for p in hf.parameters())
+
+
+def prompts(b, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 30000, (b, n), generator=g).tolist()
+
+
+def bench_model(name, cfg, dev, args, tmp):
+    hf, n_params = build(cfg, tmp / name)
+    hf = hf.to(dev)
+    eng = Engine.from_pretrained(tmp / name, device=str(dev), dtype="float32", kv_cache_memory="1GiB")
+    out = {"params": n_params}
+    n = args.decode_tokens
+    for b in (1, 16):
+        ps = prompts(b, 16, b)
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        eng.generate(ps, sp)  # warm-up
+        runs = [eng.generate(ps, sp) and eng.last_stats["decode_tokens_per_s"] for _ in range(args.repeat)]
+        ours = statistics.median(runs)
+        ids = torch.tensor(ps, device=dev)
+        kw = dict(do_sample=False, pad_token_id=0)
+        with torch.inference_mode():
+            t1 = timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), dev, args.repeat)
+            tn = timed(lambda: hf.generate(ids, max_new_tokens=n + 1, min_new_tokens=n + 1, **kw), dev, args.repeat)
+        theirs = b * n / (tn - t1)
+        out[f"decode_b{b}"] = {"adapt_tok_s": round(ours, 2), "transformers_tok_s": round(theirs, 2),
+                               "ratio": round(ours / theirs, 3)}
+    pb, pn = 4, args.prefill_len
+    ps = prompts(pb, pn, 7)
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    eng.generate(ps, sp)
+    ours = statistics.median([eng.generate(ps, sp) and eng.last_stats["prefill_tokens_per_s"]
+                              for _ in range(args.repeat)])
+    ids = torch.tensor(ps, device=dev)
+    with torch.inference_mode():
+        t = timed(lambda: hf(ids, logits_to_keep=1), dev, args.repeat)
+    theirs = pb * pn / t
+    out["prefill"] = {"tokens": pb * pn, "adapt_tok_s": round(ours, 2), "transformers_tok_s": round(theirs, 2),
+                      "ratio": round(ours / theirs, 3)}
+    return hf, eng, out
+
+
+def moe_layer(hf, eng, dev, args):
+    """The first MoE block alone: adapt's MoE (router + grouped experts kernel) vs transformers' block."""
+    ours_block = eng.model.layers[0].mlp
+    theirs_block = hf.model.layers[0].mlp
+    h = hf.config.hidden_size
+    res = {}
+    impls = ["grouped_mm", "eager"]
+    for t in (1, 16, 512):
+        x = torch.randn(t, h, device=dev) * 0.5
+        fb = ForwardBatch("prefill", torch.zeros(t, dtype=torch.long, device=dev), eng.kernels)
+        with torch.inference_mode():
+            ours = timed(lambda: ours_block(x, fb), dev, args.repeat * 3)
+            row = {"adapt_ms": round(ours * 1e3, 3)}
+            for impl in impls:
+                try:
+                    hf.set_experts_implementation(impl) if hasattr(hf, "set_experts_implementation") else \
+                        setattr(hf.config, "_experts_implementation", impl)
+                    y = theirs_block(x[None])
+                    y = y[0] if isinstance(y, tuple) else y
+                    err = (y[0] - ours_block(x, fb)).abs().max().item()
+                    theirs = timed(lambda: theirs_block(x[None]), dev, args.repeat * 3)
+                    row[f"transformers_{impl}_ms"] = round(theirs * 1e3, 3)
+                    row[f"ratio_vs_{impl}"] = round(theirs / ours, 3)
+                    row[f"maxdiff_vs_{impl}"] = err
+                except Exception as e:  # an implementation this torch build lacks
+                    row[f"transformers_{impl}"] = f"unavailable: {type(e).__name__}: {str(e)[:80]}"
+        res[f"tokens_{t}"] = row
+    return res
+
+
+def copy_bandwidth(dev):
+    n = 256 << 20  # bytes
+    a = torch.empty(n // 4, dtype=torch.float32, device=dev).normal_()
+    b = torch.empty_like(a)
+    t = timed(lambda: b.copy_(a), dev, repeat=5, warmup=2)
+    return 2 * n / t  # bytes read + written per second
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--prefill-len", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    import transformers
+    report = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "python": platform.python_version()},
+              "hardware": {"device": str(dev), "cpu": platform.processor() or platform.machine(),
+                           "threads": torch.get_num_threads()}}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        _, eng, dense = bench_model("dense", DENSE, dev, args, tmp)
+        # weight bytes one decoded token reads: every weight but the embedding table (one row of it)
+        wbytes = sum(p.numel() * p.element_size() for n, p in eng.model.named_parameters() if not n.startswith("embed"))
+        bw = copy_bandwidth(dev)
+        achieved = wbytes * dense["decode_b1"]["adapt_tok_s"]
+        dense["bandwidth_b1_fp32"] = {"weight_bytes_per_token": wbytes, "achieved_GBps": round(achieved / 1e9, 3),
+                                      "copy_GBps": round(bw / 1e9, 3), "fraction_of_copy": round(achieved / bw, 3)}
+        report["dense"] = dense
+        del eng
+        hf, eng, moe = bench_model("moe", MOE, dev, args, tmp)
+        moe["moe_layer"] = moe_layer(hf, eng, dev, args)
+        report["moe"] = moe
+    goals = {"decode_b16_vs_transformers>=1.5": report["dense"]["decode_b16"]["ratio"] >= 1.5,
+             "moe_layer_512_vs_transformers>=2": report["moe"]["moe_layer"]["tokens_512"].get("ratio_vs_grouped_mm",
+                                                  report["moe"]["moe_layer"]["tokens_512"].get("ratio_vs_eager", 0)) >= 2,
+             "b1_fp32_decode>=50%_copy_bw": report["dense"]["bandwidth_b1_fp32"]["fraction_of_copy"] >= 0.5}
+    report["goals_met"] = goals
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
