@@ -41,23 +41,54 @@ def open_model(model: str | Path, ctx: ParallelContext) -> OpenedModel:
                                      f"model ({', '.join(BUILTIN_CONFIGS)})")
     manifest = path / "manifest.json"
     if manifest.is_file():
-        cfg, files = _shard_files(path, manifest, ctx)
+        cfg, reader = _open_shard(path, ctx)
         presliced = True
     else:
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} has neither config.json nor manifest.json")
         cfg, presliced = read_config(path / "config.json"), False
-        files = None
+        reader = None
     spec = ModelSpec.from_hf_config(cfg, name=path.name)
     if spec.vision is not None:
         raise CheckpointError(f"{spec.model_type}: adapt run serves the text families only")
-    reader = SafetensorsReader(files) if files is not None else SafetensorsReader.from_dir(path)
+    reader = reader if reader is not None else SafetensorsReader.from_dir(path)
     tok_dir = path if (path / "tokenizer.json").is_file() else None
     tokenizer = None
     if tok_dir is not None:
         from adapt.runtime.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_dir(tok_dir)
     return OpenedModel(path, spec, reader, presliced, tokenizer, _eos_ids(path, spec))
+
+
+class ShardRankReader:
+    """This rank's tensors of an ``adapt shard`` output, through adapt.shard's manifest API (checked
+    digest, paths confined to OUT). The tensors are already the rank's slices."""
+
+    def __init__(self, loaders: dict):
+        self._loaders = loaders
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._loaders
+
+    def read(self, name: str, sl=None):
+        if name not in self._loaders:
+            raise CheckpointError(f"shard output has no tensor {name!r} for this rank")
+        return self._loaders[name][1]()
+
+
+def _open_shard(path: Path, ctx: ParallelContext):
+    """(config, reader) of a shard output; adapt.shard's API when present, else the plain file layout."""
+    try:
+        from adapt.shard.manifest import load_manifest, open_rank
+    except ImportError:
+        cfg, files = _shard_files(path, path / "manifest.json", ctx)
+        return cfg, SafetensorsReader(files)
+    man = load_manifest(path)
+    if man.world_size != ctx.world_size:
+        raise CheckpointError(f"{path} is sharded for {man.world_size} ranks but this run has {ctx.world_size}; "
+                              f"launch with --nproc {man.world_size} (or shard again for one rank)")
+    cfg = read_config(path / "config.json") if (path / "config.json").is_file() else dict(man.source_config)
+    return cfg, ShardRankReader(open_rank(path, ctx.rank, man))
 
 
 def _shard_files(path: Path, manifest: Path, ctx: ParallelContext) -> tuple[dict, list[Path]]:

@@ -127,16 +127,19 @@ def test_loads_shard_output_and_index_sharded(k2, tmp_path):
         save_file({n: tensors[n] for n in ns}, str(ck / f))
     (ck / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {n: f for f, ns in halves.items() for n in ns}}))
-    # single-rank shard output
-    out = tmp_path / "shards"
-    (out / "rank-00000").mkdir(parents=True)
-    (out / "config.json").write_bytes((k2 / "config.json").read_bytes())
-    (out / "manifest.json").write_text(json.dumps({"world_size": 1}))
-    save_file(tensors, str(out / "rank-00000" / "part-0.safetensors"))
+    # adapt shard output: one rank, and two ranks (which a single-rank run refuses)
+    from adapt.cli.main import main
+
+    out, out2 = tmp_path / "shards", tmp_path / "shards2"
+    for args in (["shard", "run", str(k2), "--out", str(out)], ["shard", "run", str(k2), "--out", str(out2),
+                                                                 "--tp", "2"]):
+        try:
+            main(args)
+        except SystemExit as e:
+            assert not e.code
     ids = [0, 5, 9, 33]
     ref = Engine.from_pretrained(k2, kv_cache_memory="1MiB").prefill_logits(ids)
     for path in (ck, out):
         assert torch.equal(Engine.from_pretrained(path, kv_cache_memory="1MiB").prefill_logits(ids), ref)
-    (out / "manifest.json").write_text(json.dumps({"world_size": 2}))
     with pytest.raises(CheckpointError, match="2 ranks"):
-        Engine.from_pretrained(out, kv_cache_memory="1MiB")
+        Engine.from_pretrained(out2, kv_cache_memory="1MiB")
