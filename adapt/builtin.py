@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 
-_COMMON = dict(vocab_size=512, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+_COMMON = dict(vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
                torch_dtype="float32", hidden_act="silu")
 
 BUILTIN_CONFIGS: dict[str, dict] = {

@@ -48,12 +48,11 @@ def init_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     spec = ModelSpec.from_hf_config(cfg, name=name)
     layout = WeightLayout.from_spec(spec)
-    # the tiny tokenizer's special ids (<s> 0, </s> 1, <pad> 2) are what the checkpoint's config says
-    cfg.update(bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    # adapt.builtin's special ids are the tiny tokenizer's: <s> 0, </s> 1, <pad> 2
     tensors = {t.name: _tensor(t, seed).to(getattr(torch, t.dtype)).contiguous() for t in layout.main() if t.is_param}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    gen = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "do_sample": False}
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} | {"do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     build_tiny_tokenizer(out, vocab_size=spec.vocab_size)
     return out
