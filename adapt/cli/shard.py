@@ -47,6 +47,8 @@ def run_cmd(
     force: Annotated[bool, typer.Option("--force", help="Write into an existing non-adapt directory.")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Load .bin/.pt weights with "
                                                "torch.load(weights_only=True).")] = False,
+    rehash_source: Annotated[bool, typer.Option("--rehash-source", help="Hash hub-cache source files too, "
+                                                "instead of trusting their blobs/<sha256> names.")] = False,
     fmt: FormatOpt = "text",
 ) -> None:
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
@@ -72,7 +74,7 @@ def run_cmd(
         result = shard(ckpt, out, plan_file=plan, **{k: v or 1 for k, v in degrees.items()}, dtype=dtype,
                        max_file_size=parse_size(max_file_size), workers=workers,
                        memory_budget=parse_size(memory_budget), force=force, allow_pickle=allow_pickle,
-                       progress=progress)
+                       trust_hub_cache=not rehash_source, progress=progress)
     finally:
         if bar.live.is_started:
             bar.stop()

@@ -1,25 +1,26 @@
 """Reading an HF checkpoint directory: its files, validated headers, and tensors slice by slice.
 
-Safetensors files are read with ``safe_open`` / ``get_slice`` after :func:`read_header` has checked them,
-so only the asked-for slice is ever materialised. Pickle files (``.bin``, ``.pt``) are refused unless the
+Safetensors files are read with ``os.preadv`` at the offsets :func:`read_header` validated (see
+:mod:`adapt.shard.stream`), so only the asked-for slice is ever read, and nothing is mapped. Pickle files (``.bin``, ``.pt``) are refused unless the
 caller allows them, and are then loaded with ``torch.load(weights_only=True, mmap=True)``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from adapt.errors import CheckpointError
 from adapt.layout import WeightLayout
-from adapt.shard.header import Header, read_header
+from adapt.shard.header import DTYPES, TORCH_TO_ST, Header, read_header
+from adapt.shard.stream import ByteSlice, byte_slice, iter_slice, read_into
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Non-weight buffers some checkpoints carry; never sharded, never an error.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-READ_CHUNK = 32 << 20  # bytes of source rows mapped at once
 
 
 @dataclass(frozen=True)
@@ -29,18 +30,22 @@ class SourceTensor:
     dtype: str  # torch dtype name
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = -1  # absolute file offset of the data (safetensors), -1 for pickles
 
 
 class Checkpoint:
     """The tensors of a checkpoint directory; ``read`` returns one slice as a torch tensor."""
 
-    def __init__(self, directory: Path, tensors: dict[str, SourceTensor], files: list[str], pickle: bool = False):
+    def __init__(self, directory: Path, tensors: dict[str, SourceTensor], files: list[str], pickle: bool = False,
+                 sizes: dict[str, int] | None = None):
         self.directory = Path(directory)
         self.tensors = tensors
         self.files = files
         self.pickle = pickle
         self._pickled: dict[str, dict] = {}
         self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+        self.sizes: dict[str, int] = dict(sizes or {})
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0):
         """The tensor ``name``, or its [start, stop) part along ``dim``: only that part is read."""
@@ -53,36 +58,55 @@ class Checkpoint:
             return full.clone() if dim is None else full.narrow(dim, start, stop - start).clone()
         return self._read_safetensors(t, dim, start, stop)
 
-    def _read_safetensors(self, t: SourceTensor, dim: int | None, start: int, stop: int):
-        """Copy the slice into a fresh tensor in chunks of whole dim-0 rows, each through its own short-lived
-        ``safe_open``: the file mapping is dropped after every chunk, so resident memory stays at the output
-        slice plus one chunk whatever the file size."""
-        import torch
-        from safetensors import safe_open
+    def byte_slice(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> ByteSlice:
+        """Where the slice's bytes lie in its (validated) source file."""
+        t = self.tensors[name]
+        assert t.offset >= 0, f"{name}: not a safetensors tensor"
+        return byte_slice(t.offset, t.shape, DTYPES[TORCH_TO_ST[t.dtype]][1], dim, start, stop)
 
-        path = str(self.directory / t.file)
+    def fd(self, file: str) -> int:
+        """A raw read-only descriptor of a source file, opened once and shared (pread is thread-safe)."""
+        fd = self._fds.get(file)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(file)
+                if fd is None:
+                    path = self.directory / file
+                    try:
+                        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    except OSError as e:
+                        raise CheckpointError(f"cannot read {path}: {e.strerror}") from e
+                    if os.fstat(fd).st_size != self.sizes.get(file, -1):
+                        os.close(fd)
+                        raise CheckpointError(f"{path} changed size since its header was validated")
+                    self._fds[file] = fd
+        return fd
+
+    def stream(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0):
+        """The raw bytes of the slice, in bounded chunks (views of a per-thread buffer)."""
+        return iter_slice(self.fd(self.tensors[name].file), self.byte_slice(name, dim, start, stop))
+
+    def _read_safetensors(self, t: SourceTensor, dim: int | None, start: int, stop: int):
+        """pread the slice straight into a fresh tensor (strided slices through a bounded gather buffer):
+        no mmap, so resident memory is the output slice plus one chunk whatever the file size."""
+        import torch
+
         shape = list(t.shape)
         if dim is not None:
             shape[dim] = stop - start
         out = torch.empty(shape, dtype=getattr(torch, t.dtype))
-        if not shape or out.numel() == 0:
-            with safe_open(path, framework="pt") as f:
-                return f.get_tensor(t.name).clone() if not shape else out
-        rows = shape[0]
-        row0 = start if dim == 0 else 0
-        src_row_bytes = max(1, t.nbytes // max(1, t.shape[0]))
-        step = max(1, READ_CHUNK // src_row_bytes)
-        rest = [slice(None)] * (len(shape) - 1)
-        if dim is not None and dim > 0:
-            rest[dim - 1] = slice(start, stop)
-        for r in range(0, rows, step):
-            r1 = min(rows, r + step)
-            with safe_open(path, framework="pt") as f:
-                out[r:r1] = f.get_slice(t.name)[(slice(row0 + r, row0 + r1), *rest)]
+        if out.numel() == 0:
+            return out
+        dest = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        read_into(self.fd(t.file), self.byte_slice(t.name, dim, start, stop), dest)
         return out
 
     def close(self) -> None:
         self._pickled.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 def _torch_load(path: Path) -> dict:
@@ -150,14 +174,15 @@ def open_checkpoint(directory: Path, allow_pickle: bool = False) -> tuple[Checkp
         for name, e in h.tensors.items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file} and {f}")
-            tensors[name] = SourceTensor(name, f, e.dtype, e.shape, e.nbytes)
+            tensors[name] = SourceTensor(name, f, e.dtype, e.shape, e.nbytes, e.begin)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         for name, f in weight_map.items():
             if name not in tensors or tensors[name].file != f:
                 raise CheckpointError(f"{index}: {name!r} is mapped to {f} but that file does not hold it")
-    return Checkpoint(directory, tensors, files, is_pickle), headers
+    sizes = {f: h.file_size for f, h in headers.items()}
+    return Checkpoint(directory, tensors, files, is_pickle, sizes), headers
 
 
 def check_against_layout(ckpt: Checkpoint, layout: WeightLayout) -> list[str]:
@@ -183,3 +208,4 @@ def check_against_layout(ckpt: Checkpoint, layout: WeightLayout) -> list[str]:
         raise CheckpointError(f"checkpoint {ckpt.directory} does not match the {layout.spec.model_type} layout: "
                               + "; ".join(problems))
     return [n for n, t in want.items() if n in have]
+

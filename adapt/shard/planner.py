@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from adapt.errors import ShardError
 from adapt.layout import WeightLayout
 from adapt.plan import ParallelPlan, TensorSlice, rank_tensors, scale_slice
@@ -53,8 +55,11 @@ def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, ran
     return out
 
 
-def pack_files(rank: int, tensors: list[OutputTensor], max_file_size: int) -> list[OutputFile]:
-    """Split a rank's tensors into files of at most max_file_size bytes (a larger tensor gets its own)."""
+def pack_files(rank: int, tensors: list[OutputTensor], max_file_size: int,
+               order: Callable[[OutputTensor], Any] | None = None) -> list[OutputFile]:
+    """Split a rank's tensors (in layout order) into files of at most max_file_size bytes (a larger tensor gets
+    its own); within a file, tensors are then sorted by ``order`` (the source file offset, so reads run
+    forward through each source file)."""
     groups: list[list[OutputTensor]] = []
     size = 0
     for t in tensors:
@@ -65,8 +70,8 @@ def pack_files(rank: int, tensors: list[OutputTensor], max_file_size: int) -> li
         groups[-1].append(t)
         size += n
     total = len(groups)
-    return [OutputFile(f"{rank_dir(rank)}/model-{i + 1:05d}-of-{total:05d}.safetensors", rank, tuple(g))
-            for i, g in enumerate(groups)]
+    return [OutputFile(f"{rank_dir(rank)}/model-{i + 1:05d}-of-{total:05d}.safetensors", rank,
+                       tuple(sorted(g, key=order) if order else g)) for i, g in enumerate(groups)]
 
 
 def plan_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, names: list[str], dtype_choice: str,
@@ -74,8 +79,14 @@ def plan_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, nam
     """Every output file of every rank, without sizes and checksums."""
     present = set(names)
     files: list[OutputFile] = []
+    pos = {f: i for i, f in enumerate(ckpt.files)}
+
+    def order(t: OutputTensor):
+        return pos[t.source_file], ckpt.tensors[t.source].offset, t.name
+
     for rank in range(plan.world_size):
-        files += pack_files(rank, rank_outputs(ckpt, layout, plan, rank, present, dtype_choice), max_file_size)
+        files += pack_files(rank, rank_outputs(ckpt, layout, plan, rank, present, dtype_choice), max_file_size,
+                            order)
     return files
 
 

@@ -26,7 +26,10 @@ from adapt.shard.checkpoint import Checkpoint, check_against_layout, open_checkp
 from adapt.shard.manifest import MANIFEST, Manifest, OutputFile, load_manifest
 from adapt.shard.planner import DEFAULT_MAX_FILE_SIZE, plan_outputs, scale_blocks
 from adapt.shard.transform import DTYPE_CHOICES, cast, dequant_slice, target_dtype
-from adapt.shard.writer import AtomicFile, remove_stale_tmp, sha256_file, write_bytes, write_safetensors
+from adapt.shard.source_hash import source_digest
+from adapt.shard.stream import CHUNK
+from adapt.shard.writer import (AtomicFile, RangeCopy, remove_stale_tmp, sha256_file, tensor_bytes, write_bytes,
+                                 write_safetensors)
 from adapt.spec import ModelSpec
 
 MARKER = ".adapt-shard.json"
@@ -163,7 +166,7 @@ class _Journal:
 def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None = None, *, tp: int = 1,
           pp: int = 1, ep: int = 1, dp: int = 1, plan_file: str | Path | None = None, dtype: str = "keep",
           max_file_size: int = DEFAULT_MAX_FILE_SIZE, workers: int = 1, memory_budget: int = DEFAULT_BUDGET,
-          force: bool = False, allow_pickle: bool = False,
+          force: bool = False, allow_pickle: bool = False, trust_hub_cache: bool = True,
           progress: Callable[[int, int], None] | None = None) -> ShardResult:
     """Shard a checkpoint directory into ``out_dir`` per the plan. ``progress(delta_bytes, total_bytes)``."""
     t0 = time.perf_counter()
@@ -230,12 +233,9 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     lock = threading.Lock()
 
     def hash_source(name: str) -> dict:
-        st = src_stat[name]
-        k = known_src.get(name)
-        if k and k.get("size") == st.st_size and k.get("mtime_ns") == st.st_mtime_ns:
-            return dict(name=name, size=st.st_size, mtime_ns=st.st_mtime_ns, sha256=k["sha256"])
-        entry = dict(name=name, size=st.st_size, mtime_ns=st.st_mtime_ns, sha256=sha256_file(src_dir / name))
-        journal.add(dict(entry, source=name))
+        entry = dict(name=name, **source_digest(src_dir / name, src_stat[name], known_src.get(name), trust_hub_cache))
+        if entry["sha256_from"] == "hashed":
+            journal.add(dict(entry, source=name))
         return entry
 
     def write_file(f: OutputFile) -> None:
@@ -250,7 +250,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         specs = [(t.name, t.dtype, t.shape) for t in f.tensors]
 
         def produce(i: int):
-            held.append(budget.acquire(_slice_cost(f.tensors[i])))
+            held.append(budget.acquire(_slice_cost(f.tensors[i], ckpt)))
             return _produce(ckpt, f.tensors[i], block)
 
         def after() -> None:
@@ -286,8 +286,11 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
                        time.perf_counter() - t0)
 
 
-def _slice_cost(t) -> int:
-    """Bytes a tensor holds while it is produced: the output slice, plus the FP8 input when dequantizing."""
+def _slice_cost(t, ckpt: Checkpoint) -> int:
+    """Bytes a tensor holds while it is produced: a streamed slice holds its thread's two chunk buffers (plus
+    a cast chunk); a materialised one the output slice, plus the FP8 input when dequantizing."""
+    if _streams(t, ckpt):
+        return 2 * CHUNK + (0 if t.transform == "none" else 3 * CHUNK)
     out = OutputFile("", 0, (t,)).nbytes
     if t.transform == "none":
         return out
@@ -295,8 +298,20 @@ def _slice_cost(t) -> int:
     return out + n * (1 if t.transform == "fp8_block_dequant" else {"float32": 4}.get(t.source_dtype, 2))
 
 
+def _streams(t, ckpt: Checkpoint) -> bool:
+    """Whether the tensor moves as raw bytes (or cast chunk by chunk) without materialising the slice."""
+    return not ckpt.pickle and t.transform in ("none", "cast")
+
+
 def _produce(ckpt: Checkpoint, t, block):
     s = t.slice
+    if _streams(t, ckpt):
+        bs = ckpt.byte_slice(t.source, s.dim, s.start, s.stop)
+        if t.transform == "none" and bs.contiguous:
+            return RangeCopy(ckpt.fd(t.source_file), bs.offset, bs.nbytes,
+                             lambda: ckpt.stream(t.source, s.dim, s.start, s.stop))
+        pieces = ckpt.stream(t.source, s.dim, s.start, s.stop)
+        return pieces if t.transform == "none" else _cast_pieces(pieces, t.source_dtype, t.dtype)
     w = ckpt.read(t.source, s.dim, s.start, s.stop)
     if t.transform == "none":
         return w
@@ -309,6 +324,15 @@ def _produce(ckpt: Checkpoint, t, block):
         scale = ckpt.read(t.scale, sc.dim, sc.start, sc.stop)
         return dequant_slice(w, scale, block, s.dim, s.start, t.dtype)
     raise ShardError(f"unknown transform {t.transform!r}")
+
+
+def _cast_pieces(pieces, src_dtype: str, dtype: str):
+    """Cast raw byte chunks (whole elements each) with torch, chunk by chunk."""
+    import torch
+
+    src, dst = getattr(torch, src_dtype), getattr(torch, dtype)
+    for piece in pieces:
+        yield tensor_bytes(torch.frombuffer(piece, dtype=src).to(dst))
 
 
 def _copy_side_files(src: Path, out: Path, cfg: dict, dtype: str) -> list[dict]:

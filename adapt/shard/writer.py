@@ -7,8 +7,10 @@ one tensor slice is in memory at a time.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -18,7 +20,7 @@ from adapt.errors import ShardError
 from adapt.shard.header import encode_header
 
 TMP_MARK = ".adapt-tmp-"
-HASH_CHUNK = 8 << 20
+HASH_CHUNK = 16 << 20
 
 
 def tmp_name(path: Path) -> Path:
@@ -50,16 +52,45 @@ class AtomicFile:
     def __enter__(self) -> "AtomicFile":
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self.f = open(self.tmp, "wb")
+            self.f = open(self.tmp, "w+b", buffering=0)  # read back: see copy_range
         except OSError as e:
             raise ShardError(f"cannot write {self.tmp}: {e.strerror}") from e
         return self
 
     def write(self, data) -> None:
-        mv = memoryview(data)
-        self.f.write(mv)
-        self.sha.update(mv)
+        mv = memoryview(data).cast("B")
+        self.sha.update(mv)  # hashlib releases the GIL for large buffers
+        done = 0
+        while done < mv.nbytes:
+            done += self.f.write(mv[done:])
         self.size += mv.nbytes
+
+    def copy_range(self, src_fd: int, offset: int, n: int, on_bytes: Callable[[int], None] | None = None) -> None:
+        """Append ``n`` bytes of ``src_fd`` from ``offset`` with ``os.copy_file_range`` (in-kernel, no copy
+        through user space), then hash them by reading back what landed in this file, chunk by chunk while it
+        is in the page cache, so the digest is of the output bytes themselves. Raises OSError (nothing
+        appended) when the kernel or filesystem cannot copy; callers then fall back to read + write."""
+        fd = self.f.fileno()
+        buf = _hash_buffer()
+        done = 0
+        while done < n:
+            want = min(buf.nbytes, n - done)
+            k = os.copy_file_range(src_fd, fd, want, offset + done)
+            if k <= 0:
+                if done == 0:
+                    raise OSError(errno.EIO, "copy_file_range copied nothing")
+                raise ShardError(f"cannot write {self.path}: source ended inside a tensor")
+            got = 0
+            while got < k:
+                r = os.preadv(fd, [buf[got:k]], self.size + got)
+                if r <= 0:
+                    raise ShardError(f"cannot read back {self.tmp}")
+                got += r
+            self.sha.update(buf[:k])
+            self.size += k
+            done += k
+            if on_bytes:
+                on_bytes(k)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
@@ -81,6 +112,29 @@ class AtomicFile:
         return self.sha.hexdigest()
 
 
+_local = threading.local()
+
+
+def _hash_buffer() -> memoryview:
+    b = getattr(_local, "buf", None)
+    if b is None:
+        b = _local.buf = memoryview(bytearray(HASH_CHUNK))
+    return b
+
+
+class RangeCopy:
+    """A tensor whose output bytes are one contiguous range of a source file: ``write_safetensors`` moves it
+    with ``copy_file_range`` when ``COPY_RANGE`` allows and the filesystem supports it, else ``fallback()``
+    (an iterable of byte pieces) is read and written."""
+
+    def __init__(self, fd: int, offset: int, nbytes: int, fallback: Callable[[], Iterable]):
+        self.fd, self.offset, self.nbytes, self.fallback = fd, offset, nbytes, fallback
+
+
+COPY_RANGE = hasattr(os, "copy_file_range")  # tests switch it off to compare both paths
+_COPY_ERRNOS = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EIO}
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor, without a copy when it is contiguous."""
     t = t.contiguous().reshape(-1)
@@ -90,25 +144,54 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def write_safetensors(path: Path, specs: list[tuple[str, str, tuple[int, ...]]],
-                      produce: Callable[[int], torch.Tensor], on_bytes: Callable[[int], None] | None = None,
+                      produce: Callable[[int], "torch.Tensor | Iterable"],
+                      on_bytes: Callable[[int], None] | None = None,
                       after_tensor: Callable[[], None] | None = None) -> tuple[int, str]:
-    """Stream a safetensors file: specs (name, dtype, shape) in order; ``produce(i)`` gives tensor i.
+    """Stream a safetensors file: specs (name, dtype, shape) in order; ``produce(i)`` gives tensor i, either
+    as a torch tensor (checked against its spec) or as an iterable of byte buffers (raw little-endian bytes
+    in order, e.g. :func:`adapt.shard.stream.iter_slice`), each hashed from the same buffer it is written from.
 
-    Returns (size, sha256). Each produced tensor is checked against its spec before it is written.
+    Returns (size, sha256). The byte count of every tensor is checked against its planned offsets.
     """
     header, offs = encode_header(specs)
     with AtomicFile(path) as f:
         f.write(header)
         for i, (name, dtype, shape) in enumerate(specs):
+            want = offs[i][1] - offs[i][0]
             t = produce(i)
-            if tuple(t.shape) != tuple(shape) or str(t.dtype).replace("torch.", "") != dtype:
-                raise ShardError(f"internal: {name} produced {tuple(t.shape)} {t.dtype}, planned {shape} {dtype}")
-            b = tensor_bytes(t)
-            assert b.nbytes == offs[i][1] - offs[i][0]
-            f.write(b)
-            del t, b
-            if on_bytes:
-                on_bytes(offs[i][1] - offs[i][0])
+            if isinstance(t, torch.Tensor):
+                if tuple(t.shape) != tuple(shape) or str(t.dtype).replace("torch.", "") != dtype:
+                    raise ShardError(f"internal: {name} produced {tuple(t.shape)} {t.dtype}, planned {shape} {dtype}")
+                b = tensor_bytes(t)
+                assert b.nbytes == want
+                f.write(b)
+                del t, b
+                if on_bytes:
+                    on_bytes(want)
+            else:
+                if isinstance(t, RangeCopy):
+                    if t.nbytes != want:
+                        raise ShardError(f"internal: {name} is {t.nbytes} bytes, planned {want}")
+                    global COPY_RANGE
+                    if COPY_RANGE and t.nbytes:
+                        try:
+                            f.copy_range(t.fd, t.offset, t.nbytes, on_bytes)
+                            if after_tensor:
+                                after_tensor()
+                            continue
+                        except OSError as e:
+                            if e.errno not in _COPY_ERRNOS:
+                                raise ShardError(f"cannot write {path}: {e.strerror}") from e
+                            COPY_RANGE = False  # this kernel or filesystem cannot; read + write from now on
+                    t = t.fallback()
+                got = 0
+                for piece in t:
+                    f.write(piece)
+                    got += piece.nbytes
+                    if on_bytes:
+                        on_bytes(piece.nbytes)
+                if got != want:
+                    raise ShardError(f"internal: {name} produced {got} bytes, planned {want}")
             if after_tensor:
                 after_tensor()
     return f.size, f.sha256

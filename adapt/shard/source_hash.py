@@ -1,0 +1,51 @@
+"""The sha256 of a source checkpoint file, computed once and reused when that is free and safe.
+
+Three ways, in this order (the manifest records which, as ``sha256_from``):
+
+- ``cached``: the resume state (journal or previous manifest in OUT) holds a digest for the same file
+  name with the same size, mtime_ns and inode; the file is assumed unchanged when all three are.
+- ``hub-blob``: the file is a Hugging Face hub cache entry, ``.../snapshots/<rev>/<name>`` a symlink to
+  ``.../blobs/<64 hex>``. The hub stores git-LFS files under their LFS oid, which is the sha256 of the
+  content (non-LFS files are stored under a 40-hex git sha1 and do not qualify). Trust assumption: the
+  cache is intact, i.e. nobody edited a blob in place after the hub client downloaded it. Pass
+  ``trust_hub_cache=False`` (``adapt shard --rehash-source``) to hash anyway; ``adapt shard verify
+  --source`` always re-hashes.
+- ``hashed``: read and hashed (hashlib releases the GIL, so this overlaps the writers).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from adapt.shard.writer import sha256_file
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def hub_blob_sha256(path: Path) -> str | None:
+    """The sha256 a hub-cache symlink's blob name gives, or None when ``path`` is not such an entry."""
+    path = Path(path)
+    if not path.is_symlink() or path.parent.parent.name != "snapshots":
+        return None
+    try:
+        target = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    repo = path.parent.parent.parent
+    if not _SHA256.match(target.name) or target.parent != (repo / "blobs").resolve() or not target.is_file():
+        return None
+    return target.name
+
+
+def source_digest(path: Path, st: os.stat_result, known: dict | None, trust_hub_cache: bool = True
+                  ) -> dict:
+    """{size, mtime_ns, ino, sha256, sha256_from} for a source file whose (followed) stat is ``st``."""
+    base = dict(size=st.st_size, mtime_ns=st.st_mtime_ns, ino=st.st_ino)
+    if known and all(known.get(k) == v for k, v in base.items()) and _SHA256.match(str(known.get("sha256", ""))):
+        return dict(base, sha256=known["sha256"], sha256_from="cached")
+    blob = hub_blob_sha256(path) if trust_hub_cache else None
+    if blob is not None:
+        return dict(base, sha256=blob, sha256_from="hub-blob")
+    return dict(base, sha256=sha256_file(path), sha256_from="hashed")
