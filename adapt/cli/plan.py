@@ -13,7 +13,8 @@ from rich.table import Table
 from adapt.cli.options import ContextOpt, FormatOpt, KvDtypeOpt, ModelArg, OutOpt, WeightsDtypeOpt
 from adapt.cli.output import atomic_write, check_choice, emit, err_console, to_json
 from adapt.errors import PlanError
-from adapt.plan import coverage, layout_of, load_plan, plan_to_yaml
+from adapt.plan import coverage, layout_of
+from adapt.plan_file import load_plan, plan_to_yaml
 from adapt.profile.planner import Workload, check_plan, launch_flags, load_cluster, make_cluster, search
 from adapt.profile.planner.search import Candidate
 from adapt.source import resolve_model
