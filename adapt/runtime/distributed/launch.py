@@ -42,14 +42,16 @@ def strip_launcher_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return rest, launcher
 
 
-def torchrun_argv(argv: Sequence[str], nproc: int, torchrun_args: Sequence[str] = ()) -> list[str]:
-    """torchrun's command line for ``adapt <argv>`` on nproc local ranks."""
+def torchrun_argv(argv: Sequence[str], nproc: int, torchrun_args: Sequence[str] = (), module: str = "adapt"
+                  ) -> list[str]:
+    """torchrun's command line for ``python -m <module> <argv>`` (default ``adapt``) on nproc local ranks."""
     rest, launcher = strip_launcher_flags(argv)
-    return ["--nproc-per-node", str(nproc), *launcher, *torchrun_args, "-m", "adapt", *rest]
+    return ["--nproc-per-node", str(nproc), *launcher, *torchrun_args, "-m", module, *rest]
 
 
-def launch(argv: Sequence[str], nproc: int, torchrun_args: Sequence[str] = ()) -> int:
-    """Run ``adapt <argv>`` on nproc ranks under torchrun; 0 on success, else DistributedError."""
+def launch(argv: Sequence[str], nproc: int, torchrun_args: Sequence[str] = (), module: str = "adapt") -> int:
+    """Run ``python -m <module> <argv>`` (default ``adapt <argv>``) on nproc ranks under torchrun; 0 on
+    success, else DistributedError."""
     if in_launcher():
         raise DistributedError("--nproc given inside a launched rank (RANK is set): run `adapt run` without "
                                "--nproc under torchrun")
@@ -59,7 +61,7 @@ def launch(argv: Sequence[str], nproc: int, torchrun_args: Sequence[str] = ()) -
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, said once, without the warning
-    args = torchrun.parse_args(torchrun_argv(argv, nproc, torchrun_args))
+    args = torchrun.parse_args(torchrun_argv(argv, nproc, torchrun_args, module))
     try:
         torchrun.run(args)
     except ChildFailedError as e:

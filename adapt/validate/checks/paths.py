@@ -36,11 +36,29 @@ def _distributed_runner():
         from adapt.runtime import distributed
     except ImportError:
         return None
-    return getattr(distributed, "run_layout_logits", None)
+    return getattr(distributed, "run_layout", None)
+
+
+def _divides(ctx, layout: dict[str, int]) -> None:
+    """Skip, with the plan's arithmetic, a layout the model cannot divide (checked before any launch)."""
+    from adapt.errors import PlanError
+    from adapt.plan import ParallelPlan
+
+    try:
+        ParallelPlan.build(ctx.target.engine.spec, **layout)
+    except PlanError as e:
+        raise Skip(f"layout {_label(layout)}: {e}") from None
+
+
+def _label(layout: dict[str, int]) -> str:
+    return ".".join(f"{k}{layout.get(k, 1)}" for k in ("tp", "pp", "ep", "dp"))
 
 
 @register_check("parallel_consistency")
 def parallel_consistency(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
+    """The layout's prefill logits of the first prompt against one rank's (max_abs, cosine), and its greedy
+    tokens (``max_new_tokens``, default 4) against one rank's: any differing token fails the item. A layout
+    whose ranks fail fails the item with the rank named; one the model cannot divide is skipped."""
     if ctx.target.engine is None:
         raise Skip("parallel layouts run on adapt's distributed runtime, which did not run this target "
                    f"({ctx.target.reason or 'runtime ' + ctx.target.runtime})")
@@ -48,18 +66,33 @@ def parallel_consistency(params: Mapping[str, Any], thresholds: Mapping[str, flo
     if run_layout is None:
         raise Skip("adapt.runtime.distributed generates tokens but exposes no multi-rank prefill logits to "
                    "compare with one rank at these thresholds yet")
-    layout = {k: int(params[k]) for k in ("tp", "pp", "ep", "dp") if k in params}
-    try:
-        one = ctx.target_logits(0)
-        many = run_layout(ctx.target.path, ctx.prompts[0], device=ctx.device, dtype=ctx.dtype, **layout)
-    except Exception as e:  # a layout this model or machine cannot run is reported, not crashed
-        from adapt.errors import AdaptError
+    from adapt.errors import CheckpointError, DistributedError, PlanError
 
-        if isinstance(e, AdaptError):
-            raise Skip(f"layout {params.get('layout')}: {e}") from None
-        raise
-    return Outcome({"max_abs": compare.max_abs(many, one), "cosine": compare.cosine(many, one)},
-                   message=f"layout {params.get('layout')} vs one rank")
+    layout = {k: int(params[k]) for k in ("tp", "pp", "ep", "dp") if k in params}
+    name = params.get("layout") or _label(layout)
+    _divides(ctx, layout)
+    n_new = int(params.get("max_new_tokens", 4))
+    kw = dict(device=ctx.device, dtype=ctx.dtype, timeout_s=float(params.get("timeout_s", 180)), **layout)
+    one = ctx.target_logits(0)
+    try:
+        run = run_layout(ctx.target.path, ctx.prompts[0], max_new_tokens=n_new, **kw)
+    except (PlanError, CheckpointError) as e:  # cannot divide, or cannot re-shard: said, not failed
+        raise Skip(f"layout {name}: {e}") from None
+    except DistributedError as e:  # the layout's ranks failed: that is this item failing
+        return Outcome({}, status="fail", message=f"layout {name}: {e}")
+    many, tokens = run.logits, run.tokens
+    m = {"max_abs": compare.max_abs(many, one), "cosine": compare.cosine(many, one)}
+    msg = f"layout {run.layout} vs one rank, {many.shape[0]} positions ({run.seconds:.1f} s)"
+    if n_new > 0:
+        ref = ctx.target_generation(0, n_new, 1).tokens
+        same = sum(a == b for a, b in zip(tokens, ref))
+        m["greedy_tokens_identical"] = same / max(len(ref), 1)
+        if tokens != ref:
+            first = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
+            return Outcome(m, status="fail", message=f"{msg}: greedy token {first} differs ({tokens} vs one "
+                                                     f"rank's {ref})")
+        msg += f"; {len(ref)} greedy tokens identical"
+    return Outcome(m, message=msg)
 
 
 def _tail(run, ids: list[int], n: int) -> torch.Tensor:
