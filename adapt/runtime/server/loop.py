@@ -73,7 +73,7 @@ class EngineLoop:
         self._tracks: dict[int, _Track] = {}
         self._stopping = False
         self.error: str | None = None  # set when the loop died
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests": 0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests": 0, "max_batch_seqs": 0}
         self._thread = threading.Thread(target=self._run, name="adapt-engine-loop", daemon=True)
 
     # -- client side (any thread) ---------------------------------------------------------------------
@@ -177,6 +177,7 @@ class EngineLoop:
         tokens = res.token_ids.tolist()
         lps = res.logprobs.tolist()
         self.stats["steps"] += 1
+        self.stats["max_batch_seqs"] = max(self.stats["max_batch_seqs"], len(sb.seqs))
         self.stats[f"{sb.kind}_tokens"] += sb.num_tokens
         self.scheduler.postprocess(sb.seqs, tokens)
         for i, seq in enumerate(sb.seqs):
