@@ -20,7 +20,7 @@ import numpy as np
 
 from adapt.errors import CheckpointError
 
-CHUNK = 16 << 20  # bytes per read; also the size of each of a thread's two buffers
+CHUNK = 1 << 20  # bytes per read and write: measured 4-10x faster page-cache writes than 16 MiB pieces here (cache-resident)
 _local = threading.local()
 
 

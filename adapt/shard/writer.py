@@ -20,7 +20,7 @@ from adapt.errors import ShardError
 from adapt.shard.header import encode_header
 
 TMP_MARK = ".adapt-tmp-"
-HASH_CHUNK = 16 << 20
+HASH_CHUNK = 1 << 20
 
 
 def tmp_name(path: Path) -> Path:
@@ -131,7 +131,9 @@ class RangeCopy:
         self.fd, self.offset, self.nbytes, self.fallback = fd, offset, nbytes, fallback
 
 
-COPY_RANGE = hasattr(os, "copy_file_range")  # tests switch it off to compare both paths
+# Off by default: on this project's reference VM (ext4), 1 MiB pread + write + hash beat copy_file_range +
+# read-back hashing (bench/shard_bench.py); ADAPT_SHARD_COPY_RANGE=1 turns it on (e.g. reflink filesystems).
+COPY_RANGE = hasattr(os, "copy_file_range") and os.environ.get("ADAPT_SHARD_COPY_RANGE") == "1"
 _COPY_ERRNOS = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EIO}
 
 
