@@ -206,6 +206,18 @@ class DistributedContext(ParallelContext):
             raise self._fail("broadcast", group, e) from e
         return x
 
+    def any_work(self, mine: bool, group: str = "stage") -> bool:
+        """Whether any rank of the group has work this step (an all-reduce of one flag; control plane,
+        not counted). dp replicas that share the stage's experts call it before every step, in lockstep."""
+        if self.group_size(group) == 1:
+            return mine
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(flag, group=self._pg(group))
+        except RuntimeError as e:
+            raise self._fail("all_reduce (has work)", group, e) from e
+        return int(flag.item()) > 0
+
     def broadcast_object(self, obj, src: int = 0):
         """A picklable object from global rank ``src`` to every rank (control plane, not counted)."""
         if self.world_size == 1:

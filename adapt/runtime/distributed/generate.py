@@ -8,7 +8,10 @@ Library API (what ``adapt run`` calls inside each torchrun process)::
 
 The plan comes from the shard output's manifest (``adapt shard ... --tp/--pp/--ep``); every rank reads
 ``OUT/rank-XXXXX/`` only. dp replicas each generate for a share of the prompts (prompt i goes to
-replica i mod dp) and rank 0 gathers the results in prompt order.
+replica i mod dp) and rank 0 gathers the results in prompt order. With MoE layers the replicas run
+attention on their own batches but every MoE layer spans the stage (all-to-all over its tp x dp ranks),
+so they step in lockstep (PipelineRunner: a replica with no work runs idle steps until every rank of
+the stage is done); a replica given no prompt still takes part.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from adapt.errors import CheckpointError, RuntimeConfigError
+from adapt.errors import CheckpointError
 from adapt.plan import ParallelPlan
 from adapt.source import read_config
 from adapt.spec import ModelSpec
@@ -62,20 +65,24 @@ def open_distributed(model: str | Path, device: str = "cpu", dtype: str = "float
     eng = Engine.from_pretrained(model, device=ctx.device, dtype=dtype, ctx=ctx, **engine_kw)
     ep_moe.install(eng.model, ctx)
     eng.runner = PipelineRunner(eng.runner, ctx, micro_batches)
-    if ctx.dp_size > 1 and spec.moe is not None:
-        raise RuntimeConfigError(f"plan {plan.label()}: dp > 1 with MoE layers needs the dp replicas to step in "
-                                 "lockstep through the stage's experts, which this runtime does not do yet; use "
-                                 "tp x ep within a replica (dp = 1)")
     return eng, ctx
+
+
+def _replica_generate(eng, generate_one, prompts: list, params) -> list:
+    """This replica's share (possibly none), then idle steps until the whole stage is done (lockstep)."""
+    sub = generate_one(prompts, params) if prompts else []
+    drain = getattr(eng.runner, "drain", None)
+    if drain is not None:
+        drain()
+    return sub
 
 
 def generate(eng, ctx: DistributedContext, prompts: list[list[int]], params=None):
     """Generate on every rank (this rank's dp share); rank 0 returns all results in prompt order."""
     mine = [i for i in range(len(prompts)) if i % ctx.dp_size == ctx.dp_rank]
-    if not mine:
-        raise RuntimeConfigError(f"{len(prompts)} prompt(s) cannot feed {ctx.dp_size} dp replicas")
     plist = params if isinstance(params, (list, tuple)) else None
-    sub = eng.generate([prompts[i] for i in mine], [plist[i] for i in mine] if plist else params)
+    sub = _replica_generate(eng, eng.generate, [prompts[i] for i in mine],
+                            [plist[i] for i in mine] if plist else params)
     if ctx.dp_size == 1:
         return sub if ctx.is_driver else None
     leader = ctx.tp_rank == 0 and ctx.is_first_stage
@@ -110,7 +117,8 @@ def _dp_generate(eng, ctx: DistributedContext, generate_one):
     def gen(prompts, params=None):
         mine = [i for i in range(len(prompts)) if i % ctx.dp_size == ctx.dp_rank]
         plist = params if isinstance(params, (list, tuple)) else None
-        sub = generate_one([prompts[i] for i in mine], [plist[i] for i in mine] if plist else params) if mine else []
+        sub = _replica_generate(eng, generate_one, [prompts[i] for i in mine],
+                                [plist[i] for i in mine] if plist else params)
         box = [None] * ctx.world_size
         dist.all_gather_object(box, (mine, sub))
         results = [None] * len(prompts)

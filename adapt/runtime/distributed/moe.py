@@ -36,6 +36,7 @@ def install(model: torch.nn.Module, ctx: DistributedContext) -> int:
             continue
         if ctx.ep_size > 1 or ctx.dp_size > 1:
             m.forward = types.MethodType(ep_forward, m)
+            m.idle = types.MethodType(ep_idle, m)
         elif ctx.tp_size > 1 and m.shared is not None and m.split:
             m.forward = types.MethodType(tp_forward, m)
         else:
@@ -75,6 +76,27 @@ def tp_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
     return _shared_bias(self, x, y)
 
 
+def _exchange(self, rows: torch.Tensor, pair_ids: torch.Tensor, counts: list[int], k) -> torch.Tensor:
+    """Dispatch rows (with their expert ids) to the stage ranks, run the experts on what this rank
+    receives, combine: the unweighted partial outputs of our rows, in our send order."""
+    ctx: DistributedContext = self.ctx
+    recv_x, recv_counts = ctx.all_to_all(rows, counts, "stage")
+    recv_ids, _ = ctx.all_to_all(pair_ids, counts, "stage", tag="all_to_all_meta")
+    ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=rows.device)
+    y = k.moe_experts(recv_x, ones, recv_ids[:, None], self.w_gate, self.w_up, self.w_down, self.expert_offset)
+    back, _ = ctx.all_to_all(y, recv_counts, "stage")
+    return back
+
+
+def ep_idle(self, kernels, dtype: torch.dtype, device: torch.device) -> None:
+    """This MoE layer's share of a step for a dp replica with no tokens: send nothing, but receive the
+    other replicas' rows for the experts this rank holds, compute them and send them back (the stage's
+    all-to-alls must match on every rank)."""
+    n, h = self.ctx.group_size("stage"), self.w_down.shape[1]
+    _exchange(self, torch.empty(0, h, dtype=dtype, device=device), torch.empty(0, dtype=torch.long, device=device),
+              [0] * n, kernels)
+
+
 def ep_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
     """MoE.forward under expert parallelism (bound to a MoE module by ``install``)."""
     ctx: DistributedContext = self.ctx
@@ -96,11 +118,7 @@ def ep_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         counts.append(int(sel.numel()))
     order_t = torch.cat(order)  # [P * moe_tp / ...] pair index of each sent row
     rows = x[chunk][order_t // K]  # [P, H]
-    recv_x, recv_counts = ctx.all_to_all(rows, counts, "stage")
-    recv_ids, _ = ctx.all_to_all(flat[order_t], counts, "stage", tag="all_to_all_meta")
-    ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
-    y = k.moe_experts(recv_x, ones, recv_ids[:, None], self.w_gate, self.w_up, self.w_down, self.expert_offset)
-    back, _ = ctx.all_to_all(y, recv_counts, "stage")  # [P, H] partial outputs, in our send order
+    back = _exchange(self, rows, flat[order_t], counts, k)  # [P, H] partial outputs, in our send order
     out_c = torch.zeros(chunk.numel(), H, dtype=torch.float32, device=x.device)
     w_rows = w_c.reshape(-1)[order_t]
     out_c.index_add_(0, order_t // K, back.float() * w_rows[:, None])

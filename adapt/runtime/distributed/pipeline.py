@@ -9,6 +9,13 @@ i + 1 while stage p + 1 works on i. Between stages one tensor travels: the resid
 so a stage boundary sends ``tokens x hidden`` as the planner counts. The last stage's logits [B, V] are
 broadcast over the pp group so that every rank's scheduler samples the same tokens. With pp = 1 it only
 opens a step for the byte accounting.
+
+Lockstep (dp > 1 with MoE layers, whose all-to-alls span the stage's tp x dp ranks): before every step
+each rank says whether it has work (``ctx.any_work``, one flag all-reduced over the stage); a replica
+that has none (finished, or given fewer prompts) runs ``idle_step``: every MoE layer of its stage with
+0 tokens of its own, still computing the experts it holds for the other replicas' rows. ``drain`` runs
+idle steps until no rank of the stage has work: the collective termination. Micro-batches are 1 then,
+so that every replica runs each MoE layer once per step.
 """
 
 from __future__ import annotations
@@ -38,19 +45,39 @@ class PipelineRunner:
     def __init__(self, base, ctx: DistributedContext, micro_batches: int | None = None):
         self.base, self.ctx = base, ctx
         self.model, self.kernels, self.device, self.pool = base.model, base.kernels, base.device, base.pool
-        self.micro_batches = micro_batches or ctx.pp_size
+        self.moe_idle = [m.idle for m in self.model.modules() if hasattr(m, "idle")]  # layer order
+        self.lockstep = ctx.dp_size > 1 and bool(self.moe_idle)
+        self.micro_batches = 1 if self.lockstep else (micro_batches or ctx.pp_size)
         self.dtype = next(p.dtype for p in self.model.parameters() if not getattr(p, "keep_fp32", False))
 
     def prepare(self, sb: ScheduledBatch):
         return self.base.prepare(sb)  # its kv list is indexed by global layer
 
     def step(self, sb: ScheduledBatch) -> torch.Tensor:
+        if self.lockstep:
+            self.ctx.any_work(True)
         self.ctx.step(sb.kind, len(sb.seqs))
         _inject_fault(self.ctx.rank, len(self.ctx.steps))
         if self.ctx.pp_size == 1:
             return self.base.step(sb)
         mbs = split_batch(sb, self.micro_batches)
         return self._run([self.prepare(mb) for mb in mbs], len(sb.seqs))
+
+    @torch.inference_mode()
+    def idle_step(self) -> None:
+        """A step with no tokens of this replica: every MoE layer of the stage serves the other replicas."""
+        self.ctx.step("idle", 0)
+        for idle in self.moe_idle:
+            idle(self.kernels, self.dtype, self.device)
+
+    def drain(self) -> int:
+        """After this replica's work: idle steps until no rank of the stage has work; returns how many."""
+        n = 0
+        if self.lockstep:
+            while self.ctx.any_work(False):
+                self.idle_step()
+                n += 1
+        return n
 
     def execute(self, input_ids: torch.Tensor, fb, rows: torch.Tensor | None) -> torch.Tensor:
         if self.ctx.pp_size == 1:
