@@ -28,6 +28,7 @@ _TWINNED = {
     "deepseek_v2_topk": moe_routing,
     "sigmoid_grouped_topk": moe_routing,
     "moe_experts": moe_experts,
+    "moe_experts_fused": moe_experts,
     "quantize_int8": kv_quant,
     "dequantize_int8": kv_quant,
     "silu_and_mul": activation,
@@ -58,6 +59,7 @@ class Kernels:
     deepseek_v2_topk: Callable
     sigmoid_grouped_topk: Callable
     moe_experts: Callable
+    moe_experts_fused: Callable
     quantize_int8: Callable
     dequantize_int8: Callable
     silu_and_mul: Callable

@@ -11,7 +11,9 @@ carries k_scale / v_scale [NB, BS, Hkv] float32 (one scale per token and head, s
 The kernel is vectorized over the batch: it walks the block tables c blocks at a time (a Python
 loop over block chunks, never over tokens), gathers those blocks for every sequence at once,
 masks positions >= seq_len, and merges chunks with an online softmax (split-K / flash-decoding
-style), so the gathered K/V never exceed B * n * Hkv * (D + Dv) elements.
+style), so the gathered K/V never exceed B * n * Hkv * (D + Dv) elements. Blocks are gathered whole
+with index_select along NB (one memcpy per block); when every sequence
+fits in one chunk (the common decode case) the online-softmax bookkeeping is skipped.
 """
 
 import torch
@@ -37,7 +39,7 @@ def paged_decode_attention(
     k_scale / v_scale [NB, BS, Hkv]: give them when the cache is int8 (dequantized per chunk).
     """
     b, hq, d = q.shape
-    _, bs, hkv, _ = k_cache.shape
+    nb, bs, hkv, _ = k_cache.shape
     dv = v_cache.shape[-1]
     g = hq // hkv
     seq_lens = seq_lens.to(torch.long)
@@ -45,16 +47,30 @@ def paged_decode_attention(
     num_blocks = (max_len + bs - 1) // bs
     qg = q.float().reshape(b, hkv, g, d)  # [B, Hkv, G, D]
     dev = q.device
+    if num_blocks == 0:
+        return q.new_zeros(b, hq, dv)
+    if num_blocks <= blocks_per_step:  # one chunk (every decode up to BS * blocks_per_step keys): plain softmax
+        n = num_blocks * bs
+        kc = _gather(k_cache, k_scale, block_tables[:, :num_blocks], n)  # [B, Hkv, n, D] (a view)
+        vc = _gather(v_cache, v_scale, block_tables[:, :num_blocks], n)  # [B, Hkv, n, Dv]
+        s = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, n]
+        masked = torch.arange(n, device=dev)[None, :] >= seq_lens[:, None]  # [B, n]
+        s.masked_fill_(masked[:, None, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        out = torch.matmul(p, vc)  # [B, Hkv, G, Dv]
+        empty = seq_lens == 0
+        if bool(empty.any()):  # a sequence with no key: softmax over nothing, zeros by contract
+            out.masked_fill_(empty[:, None, None, None], 0.0)
+        return out.view(b, hq, dv).to(q.dtype)
     m = torch.full((b, hkv, g, 1), float("-inf"), device=dev)
     l = torch.zeros(b, hkv, g, 1, device=dev)
     acc = torch.zeros(b, hkv, g, dv, device=dev)
     for c0 in range(0, num_blocks, blocks_per_step):
         c1 = min(c0 + blocks_per_step, num_blocks)
         n = (c1 - c0) * bs
-        blocks = block_tables[:, c0:c1].to(torch.long).clamp(min=0)  # [B, c]
-        kc = _gather(k_cache, k_scale, blocks, n)  # [B, n, Hkv, D] float32
-        vc = _gather(v_cache, v_scale, blocks, n)  # [B, n, Hkv, Dv] float32
-        s = torch.matmul(qg, kc.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, n]
+        kc = _gather(k_cache, k_scale, block_tables[:, c0:c1], n)  # [B, Hkv, n, D] float32
+        vc = _gather(v_cache, v_scale, block_tables[:, c0:c1], n)  # [B, Hkv, n, Dv] float32
+        s = torch.matmul(qg, kc.transpose(-1, -2)) * scale  # [B, Hkv, G, n]
         pos = torch.arange(c0 * bs, c1 * bs, device=dev)
         masked = pos[None, :] >= seq_lens[:, None]  # [B, n]
         s.masked_fill_(masked[:, None, None, :], float("-inf"))
@@ -63,18 +79,24 @@ def paged_decode_attention(
         p = torch.exp(s - m_safe)  # [B, Hkv, G, n]
         alpha = torch.exp(m - m_safe)
         l = l * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p, vc.permute(0, 2, 1, 3))  # [B, Hkv, G, Dv]
+        acc = acc * alpha + torch.matmul(p, vc)  # [B, Hkv, G, Dv]
         m = m_new
     out = torch.where(l > 0, acc / l.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(acc))
     return out.view(b, hq, dv).to(q.dtype)
 
 
-def _gather(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, n: int) -> torch.Tensor:
-    b = blocks.shape[0]
-    x = cache[blocks].float().reshape(b, n, cache.shape[2], cache.shape[3])  # [B, n, Hkv, D]
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, tables: torch.Tensor, n: int) -> torch.Tensor:
+    # whole blocks by index_select along NB (one contiguous copy per block of a contiguous cache; MLA
+    # passes a strided slice of its latent), returned as the view [B, Hkv, n, D]
+    _, _, h, d = cache.shape
+    b = tables.shape[0]
+    blocks = tables.reshape(-1).to(torch.long).clamp(min=0)  # [B * c]
+    x = cache.index_select(0, blocks).view(b, n, h, d)
+    if x.dtype != torch.float32:
+        x = x.float()
     if scale is not None:
-        x = x * scale[blocks].float().reshape(b, n, cache.shape[2], 1)
-    return x
+        x = x * scale.index_select(0, blocks).view(b, n, h, 1).float()
+    return x.transpose(1, 2)
 
 
 def write_kv_cache(
@@ -89,10 +111,12 @@ def write_kv_cache(
     """Write k [T, Hkv, D], v [T, Hkv, Dv] into the caches in place at slot_mapping [T] int
     (slot = block * BS + offset; negative slots, e.g. padding, are skipped). When a cache is int8
     the rows are quantized per token and head and the scales written to k_scale / v_scale."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].to(torch.long)  # [T']
-    _write(k[keep], k_cache, k_scale, slots)
-    _write(v[keep], v_cache, v_scale, slots)
+    slots = slot_mapping.to(torch.long)  # [T]
+    if bool((slots < 0).any()):  # padding present: drop those rows (decode steps have none)
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    _write(k, k_cache, k_scale, slots)
+    _write(v, v_cache, v_scale, slots)
 
 
 def _write(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> None:

@@ -45,13 +45,23 @@ class MoE(nn.Module):
         self.e_score_correction_bias = _param(m.num_experts) if self.bias_name else None
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.keep_fp32 = True
-        self.w_gate = _param(e, num_inter, h)  # [E, I, H]
-        self.w_up = _param(e, num_inter, h)
+        self.num_inter = num_inter
+        self.w_gate_up = _param(e, 2 * num_inter, h)  # [E, 2I, H]: gate rows then up rows, loaded in place
         self.w_down = _param(e, h, num_inter)  # [E, H, I]
         self._names = [(n(i, "expert_gate", x), n(i, "expert_up", x), n(i, "expert_down", x)) for x in self.experts]
         self.shared = (DenseMLP(n, i, h, m.shared_intermediate_size, ctx, kind="shared")
                        if m.num_shared_experts and m.shared_intermediate_size else None)
         self.shared_gate = Linear(n(i, "shared_expert_gate"), h, 1) if m.shared_expert_gate else None
+
+    @property
+    def w_gate(self) -> torch.Tensor:
+        """[E, I, H] view of the gate rows of w_gate_up (the loaders and expert-parallel paths use it)."""
+        return self.w_gate_up[:, : self.num_inter]
+
+    @property
+    def w_up(self) -> torch.Tensor:
+        """[E, I, H] view of the up rows of w_gate_up."""
+        return self.w_gate_up[:, self.num_inter:]
 
     def hf_weights(self):
         out = {}
@@ -79,7 +89,7 @@ class MoE(nn.Module):
         weights, ids = self.route(x, batch)
         if not self.deepseek:
             weights = weights.to(x.dtype)  # transformers casts the routing weights to the model dtype
-        y = batch.kernels.moe_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down, self.expert_offset)
+        y = batch.kernels.moe_experts_fused(x, weights, ids, self.w_gate_up, self.w_down, self.expert_offset)
         if self.split:
             y = self.ctx.all_reduce(y, group="stage")
         if self.shared is not None:

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from adapt.runtime.kernels.moe_experts import moe_experts, moe_experts_ref
+from adapt.runtime.kernels.moe_experts import (moe_experts, moe_experts_fused, moe_experts_fused_ref,
+                                               moe_experts_ref)
 
 from ._tol import assert_fp32_close, assert_lowp_close
 
@@ -95,3 +96,53 @@ def test_moe_bf16_within_2x_of_torch():
     out = moe_experts(x.bfloat16(), weights, ids, *wsb)
     assert out.dtype == torch.bfloat16
     assert_lowp_close(out, moe_experts_ref(x.bfloat16(), weights, ids, *wsb), ref32, "moe bf16")
+
+
+def _fused(ws):
+    wg, wu, wd = ws
+    return torch.cat([wg, wu], dim=1), wd  # [E, 2I, H]
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        _random_ids(list(range(E))),
+        _random_ids([1, 4]),
+        torch.cat([torch.full((T, 1), 3), torch.full((T, 1), 5)], dim=1),
+    ],
+    ids=["random", "idle_experts", "one_expert"],
+)
+def test_fused_matches_twins_fp32(ids):
+    x, ws = _x(5), _weights(seed=5)
+    weights, ids = _routing(ids, seed=5)
+    wgu, wd = _fused(ws)
+    out = moe_experts_fused(x, weights, ids, wgu, wd)
+    assert out.shape == (T, HID) and out.dtype == torch.float32
+    assert_fp32_close(out, moe_experts_fused_ref(x, weights, ids, wgu, wd))
+    assert_fp32_close(out, moe_experts_ref(x, weights, ids, *ws))
+
+
+def test_fused_expert_parallel_ranks_and_single_token():
+    x, ws = _x(6), _weights(seed=6)
+    weights, ids = _routing(_random_ids(list(range(E)), seed=6))
+    wgu, wd = _fused(ws)
+    full = moe_experts_fused(x, weights, ids, wgu, wd)
+    parts = [moe_experts_fused(x, weights, ids, wgu[e0:e1], wd[e0:e1], expert_offset=e0)
+             for e0, e1 in [(0, 2), (2, 5), (5, 6)]]
+    assert_fp32_close(sum(parts), full)
+    none = moe_experts_fused(x, weights, ids, wgu[:1], wd[:1], expert_offset=E)
+    assert torch.equal(none, torch.zeros_like(none))
+    one = moe_experts_fused(x[:1], weights[:1], ids[:1], wgu, wd)
+    assert_fp32_close(one, moe_experts_ref(x[:1], weights[:1], ids[:1], *ws))
+
+
+def test_fused_bf16_within_2x_of_torch():
+    x = _x(7)
+    ws = _weights(seed=7)
+    weights, ids = _routing(_random_ids(list(range(E)), seed=7))
+    wgu, wd = _fused(ws)
+    ref32 = moe_experts_fused_ref(x, weights, ids, wgu, wd)
+    out = moe_experts_fused(x.bfloat16(), weights, ids, wgu.bfloat16(), wd.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert_lowp_close(out, moe_experts_fused_ref(x.bfloat16(), weights, ids, wgu.bfloat16(), wd.bfloat16()),
+                      ref32, "moe fused bf16")
