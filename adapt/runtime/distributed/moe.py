@@ -45,6 +45,13 @@ def install(model: torch.nn.Module, ctx: DistributedContext) -> int:
     return n
 
 
+def _experts(self, k, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts this rank holds on x: the fused gate_up kernel where the model has it."""
+    if hasattr(self, "w_gate_up") and hasattr(k, "moe_experts_fused"):
+        return k.moe_experts_fused(x, weights, ids, self.w_gate_up, self.w_down, self.expert_offset)
+    return k.moe_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down, self.expert_offset)
+
+
 def _shared_partial(self, x: torch.Tensor, k) -> torch.Tensor | None:
     """The shared expert's output before its row-parallel all-reduce (bias not yet added)."""
     if self.shared is None:
@@ -71,7 +78,7 @@ def tp_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
     if not self.deepseek:
         weights = weights.to(x.dtype)
     k = batch.kernels
-    y = k.moe_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down, self.expert_offset)
+    y = _experts(self, k, x, weights, ids)
     y = self.ctx.all_reduce(y + _shared_partial(self, x, k), group="tp")
     return _shared_bias(self, x, y)
 
@@ -83,7 +90,7 @@ def _exchange(self, rows: torch.Tensor, pair_ids: torch.Tensor, counts: list[int
     recv_x, recv_counts = ctx.all_to_all(rows, counts, "stage")
     recv_ids, _ = ctx.all_to_all(pair_ids, counts, "stage", tag="all_to_all_meta")
     ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=rows.device)
-    y = k.moe_experts(recv_x, ones, recv_ids[:, None], self.w_gate, self.w_up, self.w_down, self.expert_offset)
+    y = _experts(self, k, recv_x, ones, recv_ids[:, None])
     back, _ = ctx.all_to_all(y, recv_counts, "stage")
     return back
 
