@@ -138,8 +138,27 @@ def moe_layer(hf, eng, dev, args):
                     row[f"maxdiff_vs_{impl}"] = err
                 except Exception as e:  # an implementation this torch build lacks
                     row[f"transformers_{impl}"] = f"unavailable: {type(e).__name__}: {str(e)[:80]}"
+        # the physical limit on this device: one dense GEMM chain with the same multiply-adds (T * K rows)
+        rows, inter = t * hf.config.num_experts_per_tok, ours_block.num_inter
+        a, b = torch.randn(rows, h, device=dev), torch.randn(h, 2 * inter, device=dev)
+        c, d = torch.randn(rows, inter, device=dev), torch.randn(inter, h, device=dev)
+        row["dense_gemm_same_flops_ms"] = round(timed(lambda: (a @ b, c @ d), dev, args.repeat * 3) * 1e3, 3)
         res[f"tokens_{t}"] = row
     return res
+
+
+def gemm_floor(eng, dev, b, args):
+    """Tokens/s if a decode step of b sequences did nothing but its weight GEMMs (every 2-D weight but the
+    embedding, streamed in model order): the ceiling for any runtime doing fp32 GEMMs on this device."""
+    import torch.nn.functional as F
+
+    ws = [p for n, p in eng.model.named_parameters() if p.dim() == 2 and not n.startswith("embed")]
+    if eng.model.lm_head.tied is not None:
+        ws.append(eng.model.lm_head.tied.weight)
+    xs = {w.shape[1]: torch.randn(b, w.shape[1], device=dev) for w in ws}
+    with torch.inference_mode():
+        t = timed(lambda: [F.linear(xs[w.shape[1]], w) for w in ws], dev, args.repeat * 3)
+    return b / t
 
 
 def copy_bandwidth(dev):
@@ -175,6 +194,7 @@ def main():
         achieved = wbytes * dense["decode_b1"]["adapt_tok_s"]
         dense["bandwidth_b1_fp32"] = {"weight_bytes_per_token": wbytes, "achieved_GBps": round(achieved / 1e9, 3),
                                       "copy_GBps": round(bw / 1e9, 3), "fraction_of_copy": round(achieved / bw, 3)}
+        dense["decode_b16"]["gemm_floor_tok_s"] = round(gemm_floor(eng, dev, 16, args), 2)
         report["dense"] = dense
         del eng
         hf, eng, moe = bench_model("moe", MOE, dev, args, tmp)
