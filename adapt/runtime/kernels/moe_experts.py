@@ -14,7 +14,11 @@ their first global id; slots routed elsewhere contribute zero, so summing every 
 then up rows, transformers' ``gate_up_proj`` layout), so each expert runs two GEMMs instead of three.
 Both kernels gather the routed rows once (index_select), write every expert's output into one
 preallocated [S', H] buffer, weight it and combine with one index_add_; ranks' foreign slots are
-pushed past the last local expert by the sort instead of filtered with nonzero.
+pushed past the last local expert by the sort instead of filtered with nonzero. On CPU builds with
+``torch._grouped_mm`` the fused kernel runs each projection as one grouped GEMM once there are more
+slots than experts and at most 64 per expert on average (measured on a 2-core Xeon, torch 2.13, 32
+experts top-4, H 512, I 256: 16 tokens 1.26 vs 1.56 ms for the loop, 512 tokens 9.4 vs 10.4 ms,
+but 1024 tokens 27.6 vs 17.5 ms, and slower at 1 token).
 """
 
 import torch
@@ -58,10 +62,27 @@ def moe_experts_fused(
         gu = F.linear(xs, w_gate_up[ei])  # [n, 2I]
         torch.matmul(F.silu(gu[:, :inter]) * gu[:, inter:], w_down[ei].t(), out=out)  # [n, H]
 
-    return _grouped(x, weights, ids, e, expert_offset, expert)
+    def grouped(xs: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        # torch._grouped_mm (one call per projection) where this build has a CPU kernel: it saves the
+        # per-expert dispatch once most experts are busy, but falls behind the per-expert GEMMs beyond
+        # ~64 rows per expert (measured, see the module docstring); None falls back to the loop
+        if not (_GROUPED_MM and xs.device.type == "cpu" and e < xs.shape[0] <= _GROUPED_MAX_ROWS * e):
+            return None
+        offs = torch.tensor(counts[:e], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        try:
+            gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)  # [S', 2I]
+            return torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], w_down.transpose(1, 2), offs=offs)
+        except (RuntimeError, NotImplementedError):  # no kernel for this dtype / layout
+            return None
+
+    return _grouped(x, weights, ids, e, expert_offset, expert, grouped)
 
 
-def _grouped(x, weights, ids, e, expert_offset, expert) -> torch.Tensor:
+_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_GROUPED_MAX_ROWS = 64  # mean rows per expert up to which torch._grouped_mm beats the loop on CPU
+
+
+def _grouped(x, weights, ids, e, expert_offset, expert, grouped=None) -> torch.Tensor:
     t, h = x.shape
     k = ids.shape[1]
     local = ids.reshape(-1).to(torch.long) - expert_offset  # [S]
@@ -72,13 +93,15 @@ def _grouped(x, weights, ids, e, expert_offset, expert) -> torch.Tensor:
     order = order[:served]  # [S'] slots this rank serves
     tokens = order // k  # [S'] source token of each slot
     xs = x.index_select(0, tokens)  # [S', H]
-    ys = torch.empty(served, h, dtype=x.dtype, device=x.device)  # [S', H]
-    start = 0
-    for ei in range(e):
-        n = counts[ei]
-        if n:
-            expert(ei, xs[start:start + n], ys[start:start + n])
-            start += n
+    ys = grouped(xs, counts) if grouped is not None else None  # [S', H]
+    if ys is None:
+        ys = torch.empty(served, h, dtype=x.dtype, device=x.device)
+        start = 0
+        for ei in range(e):
+            n = counts[ei]
+            if n:
+                expert(ei, xs[start:start + n], ys[start:start + n])
+                start += n
     slot_w = weights.reshape(-1).index_select(0, order).float()  # [S']
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     out.index_add_(0, tokens, ys.float().mul_(slot_w[:, None]))
