@@ -19,7 +19,7 @@ from adapt.profile.planner import Workload, make_cluster, search
 from adapt.profile.planner import weights as W
 from adapt.spec import ModelSpec
 
-CONFIG = Path(sys.argv[1] if len(sys.argv) > 1 else "/work/shared/configs/moonshotai__Kimi-K2-Instruct.json")
+CONFIG = Path(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1].parent / "shared" / "configs" / "moonshotai__Kimi-K2-Instruct.json"))
 
 
 def _clear():

@@ -24,7 +24,7 @@ from adapt.layout import WeightLayout  # noqa: E402
 from adapt.profile import profile_model  # noqa: E402
 from adapt.source import resolve_model  # noqa: E402
 
-CONFIG = Path("/work/shared/configs/moonshotai__Kimi-K2-Instruct.json")
+CONFIG = Path(__file__).resolve().parents[1].parent / "shared" / "configs" / "moonshotai__Kimi-K2-Instruct.json"
 RUNS = 5
 
 

@@ -1,11 +1,11 @@
 import json
-from pathlib import Path
 
 import pytest
 
 from adapt.spec import ModelSpec
+from tests.fixtures.configs import SHARED_CONFIGS
 
-CONFIGS = Path("/work/shared/configs")
+CONFIGS = SHARED_CONFIGS
 CONFIG_NAMES = sorted(p.stem for p in CONFIGS.glob("*.json"))
 
 

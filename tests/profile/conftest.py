@@ -1,15 +1,13 @@
 import functools
 import json
-from pathlib import Path
 
 import pytest
 
 from adapt.layout import WeightLayout
 from adapt.spec import ModelSpec
+from tests.fixtures.configs import SHARED_CONFIGS
 
-CONFIGS = Path("/work/shared/configs")
-if not CONFIGS.is_dir():  # the repository's own copy, if the shared folder is absent
-    CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
+CONFIGS = SHARED_CONFIGS
 
 
 @functools.lru_cache(maxsize=None)

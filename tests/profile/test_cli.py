@@ -6,8 +6,9 @@ import re
 import pytest
 
 from adapt.cli.main import main
+from tests.fixtures.configs import SHARED_CONFIGS
 
-KIMI = "/work/shared/configs/moonshotai__Kimi-K2-Instruct.json"
+KIMI = str(SHARED_CONFIGS / "moonshotai__Kimi-K2-Instruct.json")
 
 
 def run(argv, capsys):
