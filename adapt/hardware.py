@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from adapt.errors import HardwareError
+from adapt.fileio import read_yaml
 
 HARDWARE_DIR = Path(__file__).parent / "profile" / "hardware"
 _REQUIRED = ("name", "memory_bytes", "memory_bandwidth", "flops", "source")
@@ -87,13 +87,7 @@ def hardware_from_dict(d: Any, where: str) -> HardwareSpec:
 
 
 def _load_file(path: Path) -> HardwareSpec:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise HardwareError(f"cannot read hardware file {path}: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        raise HardwareError(f"{path}: malformed YAML ({str(e).splitlines()[0]})") from e
-    return hardware_from_dict(data, str(path))
+    return hardware_from_dict(read_yaml(path, HardwareError, "hardware"), str(path))
 
 
 def list_hardware() -> list[HardwareSpec]:

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from adapt.errors import PlanError
+from adapt.fileio import read_yaml
 from adapt.plan import ParallelPlan
 from adapt.spec import ModelSpec
 
@@ -108,11 +109,4 @@ def plan_to_yaml(plan: ParallelPlan, extra: dict[str, Any] | None = None) -> str
 
 def load_plan(path: str | Path, spec: ModelSpec) -> ParallelPlan:
     """Read and check a plan.yaml (hand-written or from ``adapt plan --out``); errors name the file and field."""
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except OSError as e:
-        raise PlanError(f"cannot read plan file {p}: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        raise PlanError(f"{p}: malformed YAML ({str(e).splitlines()[0]})") from e
-    return ParallelPlan.from_dict(data, spec, source=str(p))
+    return ParallelPlan.from_dict(read_yaml(path, PlanError, "plan"), spec, source=str(Path(path)))

@@ -3,40 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from adapt.errors import AdaptError
+from adapt.fileio import atomic_write  # noqa: F401  (re-exported for the commands)
 
 # Logs, progress and warnings go to stderr so that `adapt ... --format json | jq` always works.
 err_console = Console(stderr=True)
-
-
-def atomic_write(path: Path, data: str | bytes) -> None:
-    """Write to a temporary file beside path, fsync, then rename: never a half-written file."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise AdaptError(f"cannot write {path}: {e.strerror}") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def emit(text: str, out: Path | None) -> None:

@@ -26,7 +26,6 @@ import base64
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -39,6 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from adapt.errors import SignatureError, ValidationInputError
 from adapt.validate.records import Regression, Report, decode_value, encode_value
+from adapt.fileio import atomic_write
 
 FORMAT = "adapt-baseline"
 VERSION = 1
@@ -179,20 +179,6 @@ def _as_public_key(k: Any) -> Ed25519PublicKey:
 # ------------------------------------------------------------------------------------------- writing
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @dataclass(frozen=True)
 class BaselineWritten:
     """What :func:`write_baseline` did, so the CLI can say where the key lives."""
@@ -242,7 +228,7 @@ def write_baseline(
                       "value": base64.b64encode(sk.private_key.sign(canonical_json(payload))).decode()},
     }
     p = Path(path)
-    _atomic_write(p, (json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode())
+    atomic_write(p, (json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode())
     return BaselineWritten(p, sk.source, sk.path, sk.created, pub)
 
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from adapt.errors import HardwareError, PlanError
+from adapt.fileio import read_yaml
 from adapt.hardware import HardwareSpec, hardware_from_dict, load_hardware
 from adapt.spec import normalize_dtype
 
@@ -164,12 +164,7 @@ def cluster_from_dict(d: Any, where: str = "cluster") -> Cluster:
 def load_cluster(path: str | Path, **overrides: Any) -> Cluster:
     """Read a cluster YAML; CLI options given alongside (not None) override its keys."""
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except OSError as e:
-        raise HardwareError(f"cannot read cluster file {p}: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        raise HardwareError(f"{p}: malformed YAML ({str(e).splitlines()[0]})") from e
+    data = read_yaml(p, HardwareError, "cluster")
     c = cluster_from_dict(data, str(p))
     over = {k: v for k, v in overrides.items() if v is not None}
     if not over:

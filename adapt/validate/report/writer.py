@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from adapt.validate.records import Report
 from adapt.validate.report.html import render_html
 from adapt.validate.report.junit import render_junit
 from adapt.validate.report.markdown import render_markdown
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so a reader sees the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from adapt.fileio import atomic_write
 
 
 def write_reports(report: Report, out_dir: str | Path) -> dict[str, Path]:
@@ -43,5 +27,5 @@ def write_reports(report: Report, out_dir: str | Path) -> dict[str, Path]:
     paths = {}
     for kind, (name, text) in texts.items():
         paths[kind] = out / name
-        atomic_write_text(paths[kind], text)
+        atomic_write(paths[kind], text)
     return paths
