@@ -147,7 +147,6 @@ def _rank(shard_dir: str, req: dict) -> None:
 
     from adapt.runtime.sampling import SamplingParams
 
-    from .context import shutdown
     from .generate import generate, open_distributed
 
     torch.set_num_threads(1)
@@ -163,7 +162,12 @@ def _rank(shard_dir: str, req: dict) -> None:
     if ctx.is_driver:
         save_file({"logits": logits.contiguous(), "tokens": torch.tensor(tokens, dtype=torch.int64)}, req["out"])
     ctx.barrier()
-    shutdown()
+    # Every rank is past the barrier and rank 0's file is written. Tearing the gloo groups down (or
+    # letting interpreter exit destroy them) intermittently aborts a rank with "terminate called without
+    # an active exception" on this 2-core machine, turning a finished run into a failure; leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: Sequence[str]) -> int:
