@@ -18,6 +18,7 @@ from adapt.errors import CheckpointError, ModelNotFoundError
 from adapt.runtime.loader import SafetensorsReader
 from adapt.runtime.parallel import ParallelContext
 from adapt.spec import ModelSpec
+from adapt.source import read_config
 
 
 @dataclass
@@ -116,19 +117,6 @@ def _world_size(man: dict) -> int | None:
         if isinstance(v, int):
             return v
     return None
-
-
-def read_config(path: Path) -> dict:
-    """A config.json as a dict, with a one-line error for every way it can be wrong."""
-    try:
-        cfg = json.loads(path.read_text())
-    except OSError as e:
-        raise ModelNotFoundError(f"cannot read {path}: {e.strerror}") from None
-    except ValueError as e:
-        raise CheckpointError(f"{path}: malformed JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return cfg
 
 
 def _eos_ids(path: Path, spec: ModelSpec) -> tuple[int, ...]:

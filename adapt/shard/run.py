@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from adapt.errors import CheckpointError, ConfigError, PlanError, ShardError
+from adapt.errors import PlanError, ShardError
 from adapt.layout import WeightLayout
 from adapt.plan import ParallelPlan
 from adapt.shard.checkpoint import Checkpoint, check_against_layout, open_checkpoint
@@ -31,6 +31,7 @@ from adapt.shard.stream import CHUNK
 from adapt.shard.writer import (AtomicFile, RangeCopy, remove_stale_tmp, sha256_file, tensor_bytes, write_bytes,
                                  write_safetensors)
 from adapt.spec import ModelSpec
+from adapt.source import read_config
 
 MARKER = ".adapt-shard.json"
 JOURNAL = ".adapt-shard.journal"
@@ -95,19 +96,6 @@ def load_plan_file(path: Path, spec: ModelSpec) -> ParallelPlan:
     except yaml.YAMLError as e:
         raise PlanError(f"{path}: malformed YAML ({str(e).splitlines()[0]})") from e
     return ParallelPlan.from_dict(d, spec, source=str(path))
-
-
-def read_source_config(ckpt_dir: Path) -> dict:
-    p = Path(ckpt_dir) / "config.json"
-    try:
-        cfg = json.loads(p.read_text())
-    except OSError as e:
-        raise CheckpointError(f"{ckpt_dir} has no readable config.json") from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: malformed JSON at line {e.lineno}: {e.msg}") from e
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{p}: expected a JSON object")
-    return cfg
 
 
 def output_config(cfg: dict, dtype_choice: str) -> dict:
@@ -175,7 +163,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         raise ShardError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     if workers < 1:
         raise ShardError(f"--workers must be at least 1, got {workers}")
-    cfg = read_source_config(src_dir)
+    cfg = read_config(Path(src_dir) / "config.json")
     spec = ModelSpec.from_hf_config(cfg, name=src_dir.name)
     layout = WeightLayout.from_spec(spec)
     if plan is None:
