@@ -1,12 +1,13 @@
 """adapt's runtime against transformers on the same ~100-200M-parameter models, built in this script.
 
-Prints one JSON document: for a dense llama-like model and a MoE model (32 experts), decode tokens/s at
-batch 1 and 16 and prefill tokens/s, for adapt and transformers; the MoE layer alone against
+Prints one JSON document, per dtype (float32 and bfloat16 by default, both on the same weights): for a
+dense llama-like model and a MoE model (32 experts), decode tokens/s at batch 1 and 16 and prefill
+tokens/s, for adapt and transformers; the MoE layer alone against
 transformers' experts implementation (its default, and eager) at 1, 16 and 512 tokens; the bandwidth
 achieved at batch-1 float32 decode of the dense model (weight bytes read per token x tokens/s) against
 a memory-copy bandwidth measured in the same run. Medians of a few repeats after a warm-up.
 
-    python bench/runtime_bench.py [--device cpu] [--decode-tokens 32] [--quick]
+    python bench/runtime_bench.py [--device cpu] [--dtypes float32,bfloat16] [--decode-tokens 32]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapt.runtime.engine import Engine  # noqa: E402
 from adapt.runtime.models.batch import ForwardBatch  # noqa: E402
+from adapt.runtime.models.layers import linear  # noqa: E402
 from adapt.runtime.sampling import SamplingParams  # noqa: E402
 
 DENSE = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -77,10 +79,9 @@ def prompts(b, n, seed):
     return torch.randint(3, 30000, (b, n), generator=g).tolist()
 
 
-def bench_model(name, cfg, dev, args, tmp):
-    hf, n_params = build(cfg, tmp / name)
-    hf = hf.to(dev)
-    eng = Engine.from_pretrained(tmp / name, device=str(dev), dtype="float32", kv_cache_memory="1GiB")
+def bench_model(name, hf, n_params, dtype, dev, args, tmp):
+    hf = hf.to(device=dev, dtype=getattr(torch, dtype))
+    eng = Engine.from_pretrained(tmp / name, device=str(dev), dtype=dtype, kv_cache_memory="1GiB")
     out = {"params": n_params}
     n = args.decode_tokens
     for b in (1, 16):
@@ -120,7 +121,7 @@ def moe_layer(hf, eng, dev, args):
     res = {}
     impls = ["grouped_mm", "eager"]
     for t in (1, 16, 512):
-        x = torch.randn(t, h, device=dev) * 0.5
+        x = (torch.randn(t, h, device=dev) * 0.5).to(eng.dtype)
         fb = ForwardBatch("prefill", torch.zeros(t, dtype=torch.long, device=dev), eng.kernels)
         with torch.inference_mode():
             ours = timed(lambda: ours_block(x, fb), dev, args.repeat * 3)
@@ -140,8 +141,8 @@ def moe_layer(hf, eng, dev, args):
                     row[f"transformers_{impl}"] = f"unavailable: {type(e).__name__}: {str(e)[:80]}"
         # the physical limit on this device: one dense GEMM chain with the same multiply-adds (T * K rows)
         rows, inter = t * hf.config.num_experts_per_tok, ours_block.num_inter
-        a, b = torch.randn(rows, h, device=dev), torch.randn(h, 2 * inter, device=dev)
-        c, d = torch.randn(rows, inter, device=dev), torch.randn(inter, h, device=dev)
+        a, b = (torch.randn(n, m, device=dev, dtype=eng.dtype) for n, m in ((rows, h), (h, 2 * inter)))
+        c, d = (torch.randn(n, m, device=dev, dtype=eng.dtype) for n, m in ((rows, inter), (inter, h)))
         row["dense_gemm_same_flops_ms"] = round(timed(lambda: (a @ b, c @ d), dev, args.repeat * 3) * 1e3, 3)
         res[f"tokens_{t}"] = row
     return res
@@ -149,15 +150,14 @@ def moe_layer(hf, eng, dev, args):
 
 def gemm_floor(eng, dev, b, args):
     """Tokens/s if a decode step of b sequences did nothing but its weight GEMMs (every 2-D weight but the
-    embedding, streamed in model order): the ceiling for any runtime doing fp32 GEMMs on this device."""
-    import torch.nn.functional as F
-
+    embedding, streamed in model order, packed as the engine holds them): the ceiling for a runtime doing
+    these GEMMs in this dtype on this device."""
     ws = [p for n, p in eng.model.named_parameters() if p.dim() == 2 and not n.startswith("embed")]
     if eng.model.lm_head.tied is not None:
         ws.append(eng.model.lm_head.tied.weight)
-    xs = {w.shape[1]: torch.randn(b, w.shape[1], device=dev) for w in ws}
+    xs = {w.shape[1]: torch.randn(b, w.shape[1], device=dev, dtype=eng.dtype) for w in ws}
     with torch.inference_mode():
-        t = timed(lambda: [F.linear(xs[w.shape[1]], w) for w in ws], dev, args.repeat * 3)
+        t = timed(lambda: [linear(xs[w.shape[1]], w) for w in ws], dev, args.repeat * 3)
     return b / t
 
 
@@ -172,6 +172,7 @@ def copy_bandwidth(dev):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; both run on the same models")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
@@ -180,30 +181,41 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     import transformers
     report = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "python": platform.python_version()},
               "hardware": {"device": str(dev), "cpu": platform.processor() or platform.machine(),
                            "threads": torch.get_num_threads()}}
+    goals = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        _, eng, dense = bench_model("dense", DENSE, dev, args, tmp)
-        # weight bytes one decoded token reads: every weight but the embedding table (one row of it)
-        wbytes = sum(p.numel() * p.element_size() for n, p in eng.model.named_parameters() if not n.startswith("embed"))
-        bw = copy_bandwidth(dev)
-        achieved = wbytes * dense["decode_b1"]["adapt_tok_s"]
-        dense["bandwidth_b1_fp32"] = {"weight_bytes_per_token": wbytes, "achieved_GBps": round(achieved / 1e9, 3),
-                                      "copy_GBps": round(bw / 1e9, 3), "fraction_of_copy": round(achieved / bw, 3)}
-        dense["decode_b16"]["gemm_floor_tok_s"] = round(gemm_floor(eng, dev, 16, args), 2)
-        report["dense"] = dense
-        del eng
-        hf, eng, moe = bench_model("moe", MOE, dev, args, tmp)
-        moe["moe_layer"] = moe_layer(hf, eng, dev, args)
-        report["moe"] = moe
-    goals = {"decode_b16_vs_transformers>=1.5": report["dense"]["decode_b16"]["ratio"] >= 1.5,
-             "moe_layer_512_vs_transformers>=2": report["moe"]["moe_layer"]["tokens_512"].get("ratio_vs_grouped_mm",
-                                                  report["moe"]["moe_layer"]["tokens_512"].get("ratio_vs_eager", 0)) >= 2,
-             "b1_fp32_decode>=50%_copy_bw": report["dense"]["bandwidth_b1_fp32"]["fraction_of_copy"] >= 0.5}
+        for name, cfg in (("dense", DENSE), ("moe", MOE)):
+            hf, n_params = build(cfg, tmp / name)
+            for dtype in dtypes:
+                hf, eng, res = bench_model(name, hf, n_params, dtype, dev, args, tmp)
+                sec = report.setdefault(dtype, {})
+                if name == "dense":
+                    res["decode_b16"]["gemm_floor_tok_s"] = round(gemm_floor(eng, dev, 16, args), 2)
+                    goals[f"{dtype}: decode_b16_vs_transformers>=1.5"] = res["decode_b16"]["ratio"] >= 1.5
+                    if dtype == "float32":
+                        # weight bytes one decoded token reads: every weight but the embedding (one row of it)
+                        wbytes = sum(p.numel() * p.element_size() for n, p in eng.model.named_parameters()
+                                     if not n.startswith("embed"))
+                        bw = copy_bandwidth(dev)
+                        achieved = wbytes * res["decode_b1"]["adapt_tok_s"]
+                        res["bandwidth_b1_fp32"] = {"weight_bytes_per_token": wbytes,
+                                                    "achieved_GBps": round(achieved / 1e9, 3),
+                                                    "copy_GBps": round(bw / 1e9, 3),
+                                                    "fraction_of_copy": round(achieved / bw, 3)}
+                        goals["float32: b1_decode>=50%_copy_bw"] = res["bandwidth_b1_fp32"]["fraction_of_copy"] >= 0.5
+                else:
+                    res["moe_layer"] = moe_layer(hf, eng, dev, args)
+                    r512 = res["moe_layer"]["tokens_512"]
+                    goals[f"{dtype}: moe_layer_512_vs_transformers>=2"] = r512.get(
+                        "ratio_vs_grouped_mm", r512.get("ratio_vs_eager", 0)) >= 2
+                sec[name] = res
+                del eng
     report["goals_met"] = goals
     print(json.dumps(report, indent=2))
 

@@ -27,6 +27,7 @@ from adapt.runtime.cache.block_manager import BlockManager
 from adapt.runtime.cache.kv_pool import KVCacheSpec, KVPool, available_memory_bytes
 from adapt.runtime.kernels import get_kernels
 from adapt.runtime.loader import load_weights, materialize
+from adapt.runtime.models.layers import PACK_DTYPES_EXACT, can_prepack, prepack_linears
 from adapt.runtime.model_runner import ModelRunner
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.registry import model_class
@@ -125,12 +126,17 @@ class Engine:
     def from_pretrained(cls, model: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                         kernels: str = "adapt", ctx: ParallelContext = SINGLE, kv_cache_memory: str | int | None = None,
                         kv_cache_dtype: str = "auto", block_size: int = 16, max_num_seqs: int = 256,
-                        max_num_batched_tokens: int = 8192, max_model_len: int | None = None) -> "Engine":
+                        max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                        prepack: str = "auto") -> "Engine":
         """Load a checkpoint dir, an ``adapt shard`` output dir or a built-in name for ``ctx``'s rank.
 
         kv_cache_memory: bytes, a size string ('2GiB') or a fraction of free memory ('0.5'); default 90% of
         free device memory (CPU: at most 512 MiB). kv_cache_dtype: 'auto' (the model dtype) or 'int8'.
+        prepack: on CPU, pack linear weights once for oneDNN: 'auto' for bfloat16 / float16 (bitwise the
+        same results), 'all' for float32 too (another summation order), 'off' never.
         """
+        if prepack not in ("auto", "all", "off"):
+            raise RuntimeConfigError(f"prepack must be auto, all or off; got {prepack!r}")
         tdtype = resolve_dtype(dtype)
         dev = resolve_device(device, tdtype)
         if kv_cache_dtype not in ("auto", "int8"):
@@ -145,6 +151,8 @@ class Engine:
             net = model_class(spec)(spec, layout, ctx, k)
         materialize(net, dev, tdtype)
         load_weights(net, spec, layout, ctx, src.reader, presliced=src.presliced)
+        if prepack != "off" and can_prepack(dev):
+            prepack_linears(net, PACK_DTYPES_EXACT + ((torch.float32,) if prepack == "all" else ()))
         net.eval()
         max_len = max_model_len or spec.max_position_embeddings
         pool = _make_pool(spec, net, ctx, dev, tdtype, kv_cache_memory, kv_cache_dtype, block_size, max_len,

@@ -78,8 +78,13 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
             if p is None:
                 continue
             keep = getattr(p, "keep_fp32", False)
-            new = nn.Parameter(torch.empty(p.shape, dtype=torch.float32 if keep else dtype, device=device),
-                               requires_grad=False)
+            kw = dict(dtype=torch.float32 if keep else dtype, device=device)
+            if getattr(p, "store_transposed", False):  # [..., M, N] held as a view of [..., N, M] storage
+                data = torch.empty(*p.shape[:-2], p.shape[-1], p.shape[-2], **kw).transpose(-1, -2)
+            else:
+                data = torch.empty(p.shape, **kw)
+            new = nn.Parameter(data, requires_grad=False)
+            new.store_transposed = getattr(p, "store_transposed", False)
             new.keep_fp32 = keep
             module._parameters[name] = new
 

@@ -143,3 +143,29 @@ def test_loads_shard_output_and_index_sharded(k2, tmp_path):
         assert torch.equal(Engine.from_pretrained(path, kv_cache_memory="1MiB").prefill_logits(ids), ref)
     with pytest.raises(CheckpointError, match="2 ranks"):
         Engine.from_pretrained(out2, kv_cache_memory="1MiB")
+
+
+@pytest.mark.parametrize("which", ["k2", "llama"])
+def test_prepacked_bf16_linears_change_nothing(which, request):
+    # oneDNN-packed linears (the CPU default for bfloat16) must give the very tokens of plain F.linear
+    from adapt.runtime.models.layers import can_prepack
+
+    if not can_prepack(torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN linear")
+    path = request.getfixturevalue(which)
+    packed = Engine.from_pretrained(path, dtype="bfloat16", kv_cache_memory="16MiB")
+    plain = Engine.from_pretrained(path, dtype="bfloat16", kv_cache_memory="16MiB", prepack="off")
+    n_packed = sum(p.is_mkldnn for p in packed.model.parameters())
+    assert n_packed > 0 and not any(p.is_mkldnn for p in plain.model.parameters())
+    # routers and MLA's kv_b_proj are read as tensors elsewhere and stay plain
+    for name, p in packed.model.named_parameters():
+        if name.endswith("gate.weight") or "kv_b_proj" in name:
+            assert not p.is_mkldnn, name
+    prompts = _ragged(4)
+    a = [r.token_ids for r in packed.generate(prompts, GREEDY)]
+    b = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    assert a == b
+    fp32 = Engine.from_pretrained(path, kv_cache_memory="16MiB")
+    assert not any(p.is_mkldnn for p in fp32.model.parameters())  # float32 packs only when asked
+    with pytest.raises(RuntimeConfigError, match="prepack"):
+        Engine.from_pretrained(path, kv_cache_memory="16MiB", prepack="yes")

@@ -137,3 +137,12 @@ def test_cuda_seeded_rows_do_not_depend_on_batch() -> None:
     others = [GREEDY, SamplingParams(), SamplingParams(top_p=0.3)]
     gens = [None, None, None, make_generator(params, "cuda")]
     assert sample(batch, others + [params], gens).token_ids[3] == alone[0]
+
+
+def test_no_logprobs_asked_skips_them_and_greedy_ties_stay_lowest() -> None:
+    logits = torch.zeros(2, 50)
+    logits[0, [7, 3, 30]] = 2.0  # a three-way tie: the lowest id wins
+    logits[1, 49] = 1.0
+    out = sample(logits, [GREEDY, GREEDY])
+    assert out.logprobs is None and out.top_logprobs == [None, None]
+    assert out.token_ids.tolist() == [3, 49]

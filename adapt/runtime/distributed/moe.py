@@ -19,7 +19,8 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
+
+from adapt.runtime.models.layers import linear
 
 from .context import DistributedContext
 
@@ -57,9 +58,9 @@ def _shared_partial(self, x: torch.Tensor, k) -> torch.Tensor | None:
     if self.shared is None:
         return None
     sh = self.shared
-    s = F.linear(k.silu_and_mul(sh.gate_up(x)), sh.down.weight)  # [T, H] tp partial
+    s = linear(k.silu_and_mul(sh.gate_up(x)), sh.down.weight)  # [T, H] tp partial
     if self.shared_gate is not None:
-        s = torch.sigmoid(F.linear(x, self.shared_gate.weight)) * s
+        s = torch.sigmoid(linear(x, self.shared_gate.weight)) * s
     return s
 
 
@@ -68,7 +69,7 @@ def _shared_bias(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if bias is None:
         return out
     if self.shared_gate is not None:
-        return out + torch.sigmoid(F.linear(x, self.shared_gate.weight)) * bias
+        return out + torch.sigmoid(linear(x, self.shared_gate.weight)) * bias
     return out + bias
 
 

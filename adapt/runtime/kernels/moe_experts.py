@@ -75,14 +75,46 @@ def moe_experts_fused(
         except (RuntimeError, NotImplementedError):  # no kernel for this dtype / layout
             return None
 
-    return _grouped(x, weights, ids, e, expert_offset, expert, grouped)
+    def padded(x, weights, tokens, order, local, counts) -> torch.Tensor | None:
+        return _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
+
+    return _grouped(x, weights, ids, e, expert_offset, expert, grouped, padded)
 
 
 _GROUPED_MM = hasattr(torch, "_grouped_mm")
 _GROUPED_MAX_ROWS = 64  # mean rows per expert up to which torch._grouped_mm beats the loop on CPU
+_PAD_MAX_WASTE = 1.5  # padded batched GEMMs while E * C <= this x the real rows
 
 
-def _grouped(x, weights, ids, e, expert_offset, expert, grouped=None) -> torch.Tensor:
+def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down) -> torch.Tensor | None:
+    """The routed experts as two batched GEMMs over every expert's rows padded to the busiest count C:
+    [E, C, H] @ [E, H, 2I] and [E, C, I] @ [E, I, H], the experts stored transposed so the right-hand
+    sides are contiguous. Padding rows read token 0 and carry weight 0. None when the padding would
+    waste more than _PAD_MAX_WASTE x the real rows, or the weights are not stored transposed."""
+    e, i2, h = w_gate_up.shape
+    inter, s, c = i2 // 2, tokens.shape[0], max(counts[:e])
+    if (c == 0 or e * c > _PAD_MAX_WASTE * s or w_gate_up.transpose(1, 2).stride(-1) != 1
+            or w_down.transpose(1, 2).stride(-1) != 1):
+        return None
+    dev = x.device
+    local_sorted = local.index_select(0, order)  # [S'] expert of each sorted slot
+    starts = [0] * e  # first sorted slot of each expert
+    for j in range(1, e):
+        starts[j] = starts[j - 1] + counts[j - 1]
+    starts = torch.tensor(starts, device=dev)  # [E]
+    dest = local_sorted * c + torch.arange(s, device=dev) - starts.index_select(0, local_sorted)  # [S']
+    src = torch.zeros(e * c, dtype=torch.long, device=dev).index_copy_(0, dest, tokens)  # [E*C] token per row
+    wp = torch.zeros(e * c, dtype=torch.float32, device=dev).index_copy_(
+        0, dest, weights.reshape(-1).index_select(0, order).float())  # [E*C], 0 on padding rows
+    xp = x.index_select(0, src).view(e, c, h)  # [E, C, H]
+    gu = torch.bmm(xp, w_gate_up.transpose(1, 2))  # [E, C, 2I]
+    hp = torch.bmm(F.silu(gu[..., :inter]) * gu[..., inter:], w_down.transpose(1, 2))  # [E, C, H]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=dev)
+    out.index_add_(0, src, hp.view(e * c, h) * wp[:, None])  # float32 weighted combine
+    return out.to(x.dtype)
+
+
+def _grouped(x, weights, ids, e, expert_offset, expert, grouped=None, padded=None) -> torch.Tensor:
     t, h = x.shape
     k = ids.shape[1]
     local = ids.reshape(-1).to(torch.long) - expert_offset  # [S]
@@ -92,8 +124,14 @@ def _grouped(x, weights, ids, e, expert_offset, expert, grouped=None) -> torch.T
     served = len(order) - counts[e]
     order = order[:served]  # [S'] slots this rank serves
     tokens = order // k  # [S'] source token of each slot
+    if padded is not None and served > e:
+        out = padded(x, weights, tokens, order, local, counts)
+        if out is not None:
+            return out
     xs = x.index_select(0, tokens)  # [S', H]
-    ys = grouped(xs, counts) if grouped is not None else None  # [S', H]
+    ys = None  # [S', H]
+    if grouped is not None:
+        ys = grouped(xs, counts)
     if ys is None:
         ys = torch.empty(served, h, dtype=x.dtype, device=x.device)
         start = 0

@@ -16,9 +16,36 @@ with index_select along NB (one memcpy per block); when every sequence
 fits in one chunk (the common decode case) the online-softmax bookkeeping is skipped.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from .kv_quant import quantize_int8
+
+
+@dataclass(frozen=True)
+class DecodeMeta:
+    """What every layer's decode attention of one step shares, computed once (``decode_meta``)."""
+
+    seq_lens: torch.Tensor  # [B] int64
+    num_blocks: int  # blocks of the longest sequence
+    blocks: torch.Tensor | None  # [B * num_blocks] int64 block ids (single-chunk steps), else None
+    masked: torch.Tensor | None  # [B, num_blocks * BS] True past each sequence's end (single chunk)
+    any_empty: bool  # some sequence has no key
+
+
+def decode_meta(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                blocks_per_step: int = 16) -> DecodeMeta:
+    """The per-step part of paged_decode_attention, to pass as ``meta`` to every layer of the step."""
+    seq_lens = seq_lens.to(torch.long)
+    b = seq_lens.shape[0]
+    max_len = int(seq_lens.max()) if b > 0 else 0
+    num_blocks = (max_len + block_size - 1) // block_size
+    blocks = masked = None
+    if 0 < num_blocks <= blocks_per_step:
+        blocks = block_tables[:, :num_blocks].reshape(-1).to(torch.long).clamp(min=0)
+        masked = torch.arange(num_blocks * block_size, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+    return DecodeMeta(seq_lens, num_blocks, blocks, masked, bool((seq_lens == 0).any()) if b > 0 else False)
 
 
 def paged_decode_attention(
@@ -31,36 +58,36 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     blocks_per_step: int = 16,
+    meta: DecodeMeta | None = None,
 ) -> torch.Tensor:
     """One decode step: q [B, Hq, D] over the paged cache -> out [B, Hq, Dv] (q.dtype).
 
     block_tables [B, MAXB] int (entries past a sequence's last block are ignored, may be -1);
     seq_lens [B] int, ragged, each <= MAXB * BS (a sequence of length 0 yields zeros).
     k_scale / v_scale [NB, BS, Hkv]: give them when the cache is int8 (dequantized per chunk).
+    meta: ``decode_meta(block_tables, seq_lens, BS, blocks_per_step)`` of this step, shared by its layers.
     """
     b, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     dv = v_cache.shape[-1]
     g = hq // hkv
-    seq_lens = seq_lens.to(torch.long)
-    max_len = int(seq_lens.max()) if b > 0 else 0
-    num_blocks = (max_len + bs - 1) // bs
+    if meta is None:
+        meta = decode_meta(block_tables, seq_lens, bs, blocks_per_step)
+    seq_lens, num_blocks = meta.seq_lens, meta.num_blocks
     qg = q.float().reshape(b, hkv, g, d)  # [B, Hkv, G, D]
     dev = q.device
     if num_blocks == 0:
         return q.new_zeros(b, hq, dv)
-    if num_blocks <= blocks_per_step:  # one chunk (every decode up to BS * blocks_per_step keys): plain softmax
+    if meta.blocks is not None:  # one chunk (every decode up to BS * blocks_per_step keys): plain softmax
         n = num_blocks * bs
-        kc = _gather(k_cache, k_scale, block_tables[:, :num_blocks], n)  # [B, Hkv, n, D] (a view)
-        vc = _gather(v_cache, v_scale, block_tables[:, :num_blocks], n)  # [B, Hkv, n, Dv]
+        kc = _gather_blocks(k_cache, k_scale, meta.blocks, b, n)  # [B, Hkv, n, D]
+        vc = _gather_blocks(v_cache, v_scale, meta.blocks, b, n)  # [B, Hkv, n, Dv]
         s = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, n]
-        masked = torch.arange(n, device=dev)[None, :] >= seq_lens[:, None]  # [B, n]
-        s.masked_fill_(masked[:, None, None, :], float("-inf"))
+        s.masked_fill_(meta.masked[:, None, None, :], float("-inf"))
         p = torch.softmax(s, dim=-1)
         out = torch.matmul(p, vc)  # [B, Hkv, G, Dv]
-        empty = seq_lens == 0
-        if bool(empty.any()):  # a sequence with no key: softmax over nothing, zeros by contract
-            out.masked_fill_(empty[:, None, None, None], 0.0)
+        if meta.any_empty:  # a sequence with no key: softmax over nothing, zeros by contract
+            out.masked_fill_((seq_lens == 0)[:, None, None, None], 0.0)
         return out.view(b, hq, dv).to(q.dtype)
     m = torch.full((b, hkv, g, 1), float("-inf"), device=dev)
     l = torch.zeros(b, hkv, g, 1, device=dev)
@@ -87,16 +114,20 @@ def paged_decode_attention(
 
 def _gather(cache: torch.Tensor, scale: torch.Tensor | None, tables: torch.Tensor, n: int) -> torch.Tensor:
     # whole blocks by index_select along NB (one contiguous copy per block of a contiguous cache; MLA
-    # passes a strided slice of its latent), returned as the view [B, Hkv, n, D]
-    _, _, h, d = cache.shape
-    b = tables.shape[0]
+    # passes a strided slice of its latent), returned as [B, Hkv, n, D] float32
     blocks = tables.reshape(-1).to(torch.long).clamp(min=0)  # [B * c]
+    return _gather_blocks(cache, scale, blocks, tables.shape[0], n)
+
+
+def _gather_blocks(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, b: int,
+                   n: int) -> torch.Tensor:
+    # float32 [B, Hkv, n, D] made contiguous by the one copy that also converts the dtype, so the two
+    # matmuls of the caller read it without copying again (a transposed view made each of them copy)
+    _, _, h, d = cache.shape
     x = cache.index_select(0, blocks).view(b, n, h, d)
-    if x.dtype != torch.float32:
-        x = x.float()
     if scale is not None:
-        x = x * scale.index_select(0, blocks).view(b, n, h, 1).float()
-    return x.transpose(1, 2)
+        x = x.float() * scale.index_select(0, blocks).view(b, n, h, 1).float()
+    return torch.empty(b, h, n, d, dtype=torch.float32, device=cache.device).copy_(x.transpose(1, 2))
 
 
 def write_kv_cache(
@@ -107,12 +138,14 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    checked: bool = False,
 ) -> None:
     """Write k [T, Hkv, D], v [T, Hkv, Dv] into the caches in place at slot_mapping [T] int
     (slot = block * BS + offset; negative slots, e.g. padding, are skipped). When a cache is int8
-    the rows are quantized per token and head and the scales written to k_scale / v_scale."""
+    the rows are quantized per token and head and the scales written to k_scale / v_scale.
+    checked: the caller knows slot_mapping is int64 without negative slots (skips that test per layer)."""
     slots = slot_mapping.to(torch.long)  # [T]
-    if bool((slots < 0).any()):  # padding present: drop those rows (decode steps have none)
+    if not checked and bool((slots < 0).any()):  # padding present: drop those rows (decode steps have none)
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     _write(k, k_cache, k_scale, slots)
@@ -142,8 +175,10 @@ def paged_decode_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     blocks_per_step: int = 16,
+    meta: DecodeMeta | None = None,
 ) -> torch.Tensor:
-    """Reference twin: per sequence, gather contiguous K/V token by token, plain softmax."""
+    """Reference twin: per sequence, gather contiguous K/V token by token, plain softmax (``meta``,
+    the kernel's per-step shortcut, is ignored)."""
     b, hq, _ = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     out = q.new_zeros(b, hq, v_cache.shape[-1])
@@ -177,8 +212,9 @@ def write_kv_cache_ref(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    checked: bool = False,
 ) -> None:
-    """Reference twin: one token at a time."""
+    """Reference twin: one token at a time (``checked`` is the kernel's shortcut, ignored)."""
     bs = k_cache.shape[1]
     for t in range(k.shape[0]):
         slot = int(slot_mapping[t])

@@ -75,26 +75,28 @@ class GQAAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         k_ = batch.kernels
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = k_.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = k_.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        cos, sin = self.rotary.cos_sin(batch, q.dtype)
-        q = k_.apply_rope(q, cos, sin, self.rotary.layout)
-        k = k_.apply_rope(k, cos, sin, self.rotary.layout)
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        v = qkv[:, (h + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
+        cos, sin = self.rotary.cos_sin(batch, qkv.dtype)
+        if self.q_norm is None:  # q and k are adjacent columns: rotate them as one [T, H + Hkv, D] tensor
+            qk = k_.apply_rope(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), cos, sin, self.rotary.layout)
+            q, k = qk.split([h, hkv], dim=1)  # [T, H, D], [T, Hkv, D]
+        else:
+            q = k_.rms_norm(qkv[:, : h * d].view(t, h, d), self.q_norm.weight, self.q_norm.eps)
+            k = k_.rms_norm(qkv[:, h * d: (h + hkv) * d].view(t, hkv, d), self.k_norm.weight, self.k_norm.eps)
+            q = k_.apply_rope(q, cos, sin, self.rotary.layout)
+            k = k_.apply_rope(k, cos, sin, self.rotary.layout)
         cache = batch.kv[layer] if batch.kv is not None else None
         if cache is not None and batch.slot_mapping is not None:
-            k_.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale)
+            k_.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale,
+                              checked=batch.slots_checked())
         if batch.is_prefill:
             qt, kt = batch.attn_tiles
             o = k_.varlen_attention(q, k, v, batch.cu_seqlens, self.scale, True, None, qt, kt)
         else:
             o = k_.paged_decode_attention(q, cache.k, cache.v, batch.block_tables, batch.seq_lens, self.scale,
-                                          cache.k_scale, cache.v_scale)
+                                          cache.k_scale, cache.v_scale, meta=batch.decode_meta(cache.k.shape[1]))
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -117,6 +119,7 @@ class MLAAttention(nn.Module):
         self.kv_a_norm = RMSNorm(n(i, "kv_a_norm"), self.r, eps)
         self.kv_b_proj = ColumnParallelLinear([(n(i, "attn_kv_b"), None, self.num_heads * (self.dn + self.dv))],
                                               self.r, ctx)
+        self.kv_b_proj.packable = False  # the absorbed decode reads its weight per head
         self.o_proj = RowParallelLinear(n(i, "attn_o"), n.get(i, "attn_o_bias"), self.num_heads * self.dv, h, ctx)
         self.scale: float = qd ** -0.5  # set by the model with the yarn mscale
         self.rotary: Rotary | None = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adapt.runtime.kernels import Kernels
+from adapt.runtime.kernels.paged_attention import decode_meta
 
 
 @dataclass
@@ -29,11 +30,27 @@ class ForwardBatch:
     kv: list | None = None  # LayerKV per global layer index (None: no cache)
     capture: dict[str, torch.Tensor] | None = None
     rope: dict = field(default_factory=dict)  # cos/sin per rope, computed once per step
+    memo: dict = field(default_factory=dict)  # other per-step values every layer shares
     attn_tiles: tuple[int, int] = (128, 256)  # prefill (q_tile, k_tile)
 
     @property
     def is_prefill(self) -> bool:
         return self.kind == "prefill"
+
+    def decode_meta(self, block_size: int):
+        """The paged decode attention's per-step metadata (kernels.decode_meta), computed once per step."""
+        key = ("decode_meta", block_size)
+        if key not in self.memo:
+            self.memo[key] = decode_meta(self.block_tables, self.seq_lens, block_size)
+        return self.memo[key]
+
+    def slots_checked(self) -> bool:
+        """Whether slot_mapping is int64 without negative (padding) slots, tested once per step."""
+        if "slots_checked" not in self.memo:
+            sm = self.slot_mapping
+            self.memo["slots_checked"] = (sm is not None and sm.dtype == torch.long
+                                          and not bool((sm < 0).any()))
+        return self.memo["slots_checked"]
 
     def record(self, name: str, x: torch.Tensor) -> None:
         if self.capture is not None:

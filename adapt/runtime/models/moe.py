@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from adapt.runtime.models.batch import ForwardBatch
-from adapt.runtime.models.layers import Linear, _param, slot_loader
+from adapt.runtime.models.layers import Linear, _param, linear, slot_loader
 from adapt.runtime.models.mlp import DenseMLP
 from adapt.runtime.models.names import LayoutNames
 from adapt.runtime.parallel import ParallelContext
@@ -39,6 +38,7 @@ class MoE(nn.Module):
         num_inter = m.intermediate_size // moe_tp
         e = len(self.experts)
         self.gate = Linear(n(i, "router"), h, m.num_experts)
+        self.gate.packable = False  # router_logits reads the weight itself
         if self.deepseek:
             self.gate.weight.keep_fp32 = True
         self.bias_name = n.get(i, "router_bias")
@@ -48,6 +48,9 @@ class MoE(nn.Module):
         self.num_inter = num_inter
         self.w_gate_up = _param(e, 2 * num_inter, h)  # [E, 2I, H]: gate rows then up rows, loaded in place
         self.w_down = _param(e, h, num_inter)  # [E, H, I]
+        # both held transposed in memory ([E, H, 2I] and [E, I, H] storage): the batched expert GEMMs
+        # then read contiguous right-hand sides, and a single expert's F.linear is unaffected
+        self.w_gate_up.store_transposed = self.w_down.store_transposed = True
         self._names = [(n(i, "expert_gate", x), n(i, "expert_up", x), n(i, "expert_down", x)) for x in self.experts]
         self.shared = (DenseMLP(n, i, h, m.shared_intermediate_size, ctx, kind="shared")
                        if m.num_shared_experts and m.shared_intermediate_size else None)
@@ -95,6 +98,6 @@ class MoE(nn.Module):
         if self.shared is not None:
             s = self.shared(x, batch)
             if self.shared_gate is not None:
-                s = torch.sigmoid(F.linear(x, self.shared_gate.weight)) * s
+                s = torch.sigmoid(linear(x, self.shared_gate.weight)) * s
             y = y + s
         return y

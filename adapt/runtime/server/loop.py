@@ -175,7 +175,7 @@ class EngineLoop:
         logits = self.engine.runner.step(sb)
         res = sample(logits, [s.params for s in sb.seqs], gens)
         tokens = res.token_ids.tolist()
-        lps = res.logprobs.tolist()
+        lps = res.logprobs.tolist() if res.logprobs is not None else [None] * len(tokens)
         self.stats["steps"] += 1
         self.stats["max_batch_seqs"] = max(self.stats["max_batch_seqs"], len(sb.seqs))
         self.stats[f"{sb.kind}_tokens"] += sb.num_tokens

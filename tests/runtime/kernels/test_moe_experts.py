@@ -146,3 +146,56 @@ def test_fused_bf16_within_2x_of_torch():
     assert out.dtype == torch.bfloat16
     assert_lowp_close(out, moe_experts_fused_ref(x.bfloat16(), weights, ids, wgu.bfloat16(), wd.bfloat16()),
                       ref32, "moe fused bf16")
+
+
+def _stored_transposed(w: torch.Tensor) -> torch.Tensor:
+    """The same [E, M, N] values held as a view of [E, N, M] storage, as the runtime's MoE holds experts."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_batched_path_matches_twin(dtype, monkeypatch):
+    import adapt.runtime.kernels.moe_experts as me
+
+    calls = []
+    real = me._padded_experts
+    monkeypatch.setattr(me, "_padded_experts", lambda *a: calls.append(1) or real(*a))
+    e, t, k = 4, 24, 2
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(t, HID, generator=g)
+    wgu = torch.randn(e, 2 * INTER, HID, generator=g) * HID**-0.5
+    wd = torch.randn(e, HID, INTER, generator=g) * INTER**-0.5
+    # every expert busy, one of them twice as busy: padding C = 16 rows for 48 slots over 4 experts
+    ids = torch.stack([torch.tensor([i % e, (i // 2) % e if (i // 2) % e != i % e else (i + 1) % e])
+                       for i in range(t)])
+    weights = torch.rand(t, k, generator=g) + 0.1
+    ref32 = moe_experts_fused_ref(x, weights, ids, wgu, wd)
+    xs, wgu_t, wd_t = x.to(dtype), _stored_transposed(wgu.to(dtype)), _stored_transposed(wd.to(dtype))
+    out = moe_experts_fused(xs, weights.to(dtype), ids, wgu_t, wd_t)
+    assert calls, "the padded batched path was not taken"
+    twin = moe_experts_fused_ref(xs, weights.to(dtype), ids, wgu.to(dtype), wd.to(dtype))
+    if dtype == torch.float32:
+        assert_fp32_close(out, twin)
+    else:
+        assert_lowp_close(out, twin, ref32, "moe padded bf16")
+    # an expert-parallel rank holding experts 1..2 only: its slots, nothing from the others
+    part = moe_experts_fused(xs, weights.to(dtype), ids, wgu_t[1:3], wd_t[1:3], expert_offset=1)
+    twin_part = moe_experts_fused_ref(xs, weights.to(dtype), ids, wgu.to(dtype)[1:3], wd.to(dtype)[1:3], 1)
+    if dtype == torch.float32:
+        assert_fp32_close(part, twin_part)
+
+
+def test_padded_path_declines_when_padding_wastes_too_much():
+    import adapt.runtime.kernels.moe_experts as me
+
+    e = 8
+    wgu = _stored_transposed(torch.randn(e, 2 * INTER, HID))
+    wd = _stored_transposed(torch.randn(e, HID, INTER))
+    # 12 slots on expert 0, one slot on each of 1..7: C = 12 -> 96 padded rows for 19 real ones
+    ids = torch.cat([torch.zeros(12, dtype=torch.long), torch.arange(1, e)])[:, None]
+    x = torch.randn(ids.shape[0], HID)
+    local = ids.reshape(-1)
+    order = torch.argsort(local, stable=True)
+    counts = torch.bincount(local, minlength=e + 1).tolist()
+    assert me._padded_experts(x, torch.ones_like(ids, dtype=torch.float32), order // 1, order, local, counts,
+                              wgu, wd) is None

@@ -44,3 +44,15 @@ def test_silu_and_mul():
     gate, up = x[..., :24], x[..., 24:]
     assert torch.equal(silu_and_mul(x), ACT2FN["silu"](gate) * up)
     assert_fp32_close(silu_and_mul_ref(x), silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_equals_the_three_op_form_bitwise(dtype):
+    # the kernel uses F.rms_norm; it must stay bitwise equal to h * rsqrt(mean(h^2) + eps) (transformers)
+    g = torch.Generator().manual_seed(11)
+    for shape in [(1, 64), (16, 768), (512, 768), (3, 5, 96)]:
+        x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+        w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
+        h = x.float()
+        expected = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        assert torch.equal(rms_norm(x, w, 1e-6), expected)

@@ -103,3 +103,18 @@ def test_write_bf16_cache_casts():
     _, k, v, kc, vc, _, _, slots = _setup([5], 2, 2, 8, 8, torch.bfloat16)
     write_kv_cache(k, v, kc, vc, slots)
     assert torch.equal(kc.view(-1, 2, 8)[slots], k.bfloat16())
+
+
+def test_decode_meta_shared_by_layers_equals_per_call():
+    from adapt.runtime.kernels.paged_attention import decode_meta
+
+    q, k, v, kc, vc, _, tables, slots = _setup(LENS, 8, 2, 16, 8)
+    write_kv_cache(k, v, kc, vc, slots, checked=True)
+    lens = torch.tensor(LENS)
+    for step in (STEP, 16):  # chunked and single-chunk steps
+        meta = decode_meta(tables, lens, BS, step)
+        assert (meta.blocks is None) == (meta.num_blocks > step)
+        a = paged_decode_attention(q, kc, vc, tables, lens, 0.25, blocks_per_step=step, meta=meta)
+        b = paged_decode_attention(q, kc, vc, tables, lens, 0.25, blocks_per_step=step)
+        assert torch.equal(a, b)
+        assert_fp32_close(a, paged_decode_attention_ref(q, kc, vc, tables, lens, 0.25))
