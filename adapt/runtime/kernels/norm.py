@@ -13,7 +13,7 @@ import torch.nn.functional as F
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm of x [..., H] with weight [H]; statistics in float32, cast back before the weight."""
     # F.rms_norm is the same h * rsqrt(mean(h^2) + eps) in one op (bitwise equal to the three-op form,
-    # checked in tests/runtime/kernels/test_norm.py), saving four dispatches per call
+    # checked in tests/runtime/kernels/test_norm_activation.py), saving four dispatches per call
     h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps)  # [..., H] float32
     return weight * h.to(x.dtype)
 
