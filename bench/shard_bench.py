@@ -1,9 +1,12 @@
 """adapt shard throughput and memory on a synthetic >= 2 GB checkpoint, against peers in the same run.
 
-Prints one JSON document: adapt's GB/s (workers 1 and 2), `cp` of the same files on the same disk (with and
-without `sync`, since adapt fsyncs every file), a load-everything-then-split baseline, and adapt's peak RSS
-against the largest tensor. Goals: adapt >= 0.7 x cp; peak RSS <= 2 x largest tensor + 300 MB.
-Usage: python bench/shard_bench.py [--gb 2.2] [--tp 2] [--dir /tmp]
+Prints one JSON document: adapt's GB/s (one worker, and the default one per core), `cp` of the same files on
+the same disk (with and without `sync`, since adapt fsyncs every file), a load-everything-then-split
+baseline, and adapt's peak RSS against the largest tensor; all warm (source in the page cache), then adapt
+and `cp + sync` again cold (source pages evicted before each, as for a checkpoint larger than RAM). Also the
+sha256 rate: adapt hashes every source and every output byte, which bounds it on few cores when warm.
+Goals: adapt >= 0.7 x cp; peak RSS <= 2 x largest tensor + 300 MB.
+Usage: python bench/shard_bench.py [--gb 2.2] [--tp 2] [--rounds 2] [--dir /tmp] [--checkpoint DIR (reuse)]
 """
 
 from __future__ import annotations
@@ -89,6 +92,24 @@ def run_child(cmd: list[str], **kw) -> tuple[float, int, subprocess.CompletedPro
     return wall, ru.ru_maxrss * 1024, out
 
 
+def _sizes(d: Path) -> tuple[int, int]:
+    from adapt.shard.header import read_header
+
+    sizes = [v.end - v.begin for f in sorted(d.glob("*.safetensors")) for v in read_header(f).tensors.values()]
+    return sum(sizes), max(sizes)
+
+
+def drop_cache(d: Path) -> None:
+    """Evict a directory's file pages from the page cache (fadvise DONTNEED needs no root once clean)."""
+    subprocess.run(["sync"], check=True)
+    for f in d.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _sha256_rate() -> float:
     import hashlib
 
@@ -104,6 +125,8 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=2.2)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--rounds", type=int, default=2, help="each contender's best of this many runs")
+    ap.add_argument("--checkpoint", default=None, help="an existing safetensors checkpoint to use")
     ap.add_argument("--make", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.make:
@@ -111,44 +134,77 @@ def main() -> None:
         return
     root = Path(tempfile.mkdtemp(prefix="adapt-shard-bench-", dir=a.dir))
     try:
-        src = root / "ckpt"
-        src.mkdir()
-        # built in a child: Linux carries ru_maxrss across fork+exec, so a parent that held the 1 GB of
-        # generation buffers would inflate every child's measured peak RSS
-        made = subprocess.run([sys.executable, __file__, "--make", str(src), "--gb", str(a.gb)], check=True,
-                              capture_output=True, text=True)
-        total, largest = json.loads(made.stdout)
+        if a.checkpoint:
+            src = Path(a.checkpoint)
+            total, largest = _sizes(src)
+        else:
+            src = root / "ckpt"
+            src.mkdir()
+            # built in a child: Linux carries ru_maxrss across fork+exec, so a parent that held the 1 GB of
+            # generation buffers would inflate every child's measured peak RSS
+            made = subprocess.run([sys.executable, __file__, "--make", str(src), "--gb", str(a.gb)], check=True,
+                                  capture_output=True, text=True)
+            total, largest = json.loads(made.stdout)
         load_before = os.getloadavg()
         subprocess.run(f"cat {src}/*.safetensors > /dev/null", shell=True, check=True)  # same cache state for all
         subprocess.run(["sync"], check=True)
         res: dict = dict(checkpoint_bytes=total, largest_tensor_bytes=largest, tp=a.tp)
-        for workers in (1, 2):
-            out = root / f"out-w{workers}"
+
+        def adapt_run(key: str, workers: int, cold: bool) -> None:
+            out = root / f"out-{key}"
+            if cold:
+                drop_cache(src)
             wall, rss, so = run_child([sys.executable, "-m", "adapt", "shard", str(src), "--out", str(out), "--tp",
                                        str(a.tp), "--workers", str(workers), "--format", "json"])
             s = json.loads(so)
-            res[f"adapt_w{workers}"] = dict(wall_s=round(wall, 3), inner_s=s["seconds"], bytes=s["bytes_written"],
-                                            gb_per_s=round(s["bytes_written"] / wall / 1e9, 3),
-                                            peak_rss_bytes=rss)
+            if key in res and res[key]["wall_s"] <= wall:
+                return  # best of the rounds
+            res[key] = dict(wall_s=round(wall, 3), inner_s=s["seconds"], bytes=s["bytes_written"],
+                            workers=s["workers"], gb_per_s=round(s["bytes_written"] / wall / 1e9, 3),
+                            peak_rss_bytes=rss)
             shutil.rmtree(out)
             subprocess.run(["sync"], check=True)
+
+        def cp_run(key: str, cold: bool) -> None:
+            if cold:
+                drop_cache(src)
+            t0 = time.perf_counter()
+            subprocess.run(["cp", "-r", str(src), str(root / "cp")], check=True)
+            cp_s = time.perf_counter() - t0
+            subprocess.run(["sync"], check=True)
+            cp_sync_s = time.perf_counter() - t0
+            shutil.rmtree(root / "cp")
+            subprocess.run(["sync"], check=True)
+            if not cold and (key not in res or res[key]["wall_s"] > cp_s):
+                res[key] = dict(wall_s=round(cp_s, 3), gb_per_s=round(total / cp_s / 1e9, 3))
+            if key + "_sync" not in res or res[key + "_sync"]["wall_s"] > cp_sync_s:
+                res[key + "_sync"] = dict(wall_s=round(cp_sync_s, 3), gb_per_s=round(total / cp_sync_s / 1e9, 3))
+
+        # Best of --rounds, the order reversed every other round: on a VM the first writer into memory the
+        # guest has not touched yet pays for faulting it in (measured 0.4 vs 4 GB/s page-cache writes here),
+        # which would otherwise penalise whichever contender runs first.
+        runs = [lambda: adapt_run("adapt_w1", 1, cold=False), lambda: adapt_run("adapt_auto", 0, cold=False),
+                lambda: cp_run("cp", cold=False),  # warm: every source page cached, cp only copies memory
+                # cold: the source pages evicted before each contender, as for a checkpoint larger than RAM (a
+                # trillion-parameter one is 1-2 TB); both include making their output durable
+                lambda: cp_run("cp_cold", cold=True), lambda: adapt_run("adapt_auto_cold", 0, cold=True)]
+        for r in range(a.rounds):
+            for fn in (runs if r % 2 == 0 else runs[::-1]):
+                fn()
+                subprocess.run(f"cat {src}/*.safetensors > /dev/null", shell=True, check=True)  # warm again
+        drop_cache(src)
         t0 = time.perf_counter()
-        subprocess.run(["cp", "-r", str(src), str(root / "cp")], check=True)
-        cp_s = time.perf_counter() - t0
-        subprocess.run(["sync"], check=True)
-        cp_sync_s = time.perf_counter() - t0
-        shutil.rmtree(root / "cp")
-        subprocess.run(["sync"], check=True)
-        res["cp"] = dict(wall_s=round(cp_s, 3), gb_per_s=round(total / cp_s / 1e9, 3))
-        res["cp_sync"] = dict(wall_s=round(cp_sync_s, 3), gb_per_s=round(total / cp_sync_s / 1e9, 3))
+        subprocess.run(f"cat {src}/*.safetensors > /dev/null", shell=True, check=True)
+        res["cold_read_gb_per_s"] = round(total / (time.perf_counter() - t0) / 1e9, 3)
+        subprocess.run(f"cat {src}/*.safetensors > /dev/null", shell=True, check=True)  # warm again
         wall, rss, _ = run_child([sys.executable, "-c", BASELINE, str(src), str(root / "naive"), str(a.tp)])
         t0 = time.perf_counter()
         subprocess.run(["sync"], check=True)
         wall_sync = wall + time.perf_counter() - t0
         res["load_all_then_split"] = dict(wall_s=round(wall, 3), wall_with_sync_s=round(wall_sync, 3),
                                           gb_per_s=round(total / wall / 1e9, 3), peak_rss_bytes=rss)
-        best = max(res["adapt_w1"]["gb_per_s"], res["adapt_w2"]["gb_per_s"])
-        rss1 = max(res["adapt_w1"]["peak_rss_bytes"], res["adapt_w2"]["peak_rss_bytes"])
+        best = max(res["adapt_w1"]["gb_per_s"], res["adapt_auto"]["gb_per_s"])
+        rss1 = max(res[k]["peak_rss_bytes"] for k in ("adapt_w1", "adapt_auto", "adapt_auto_cold"))
         sha = _sha256_rate()
         cores = min(2, os.cpu_count() or 1)
         # adapt must sha256 every source byte and every output byte (the manifest's checksums): with perfect
@@ -157,6 +213,9 @@ def main() -> None:
         res["hash_bound_gb_per_s"] = round(sha * cores / 2, 3)
         res["ratio_vs_cp"] = round(best / res["cp"]["gb_per_s"], 3)
         res["ratio_vs_cp_sync"] = round(best / res["cp_sync"]["gb_per_s"], 3)
+        res["ratio_cold_vs_cp_sync_cold"] = round(res["adapt_auto_cold"]["gb_per_s"] /
+                                                  res["cp_cold_sync"]["gb_per_s"], 3)
+        res["goal_ratio"] = 0.7
         res["ratio_vs_load_all"] = round(best / res["load_all_then_split"]["gb_per_s"], 3)
         res["rss_goal_bytes"] = 2 * largest + 300 * 2**20
         res["rss_ok"] = rss1 <= res["rss_goal_bytes"]

@@ -41,7 +41,8 @@ def run_cmd(
     dp: Annotated[_Deg, typer.Option("--dp", help="Data-parallel degree.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="keep | bf16 | fp16 | fp32 (FP8 is dequantized).")] = "keep",
     max_file_size: Annotated[str, typer.Option("--max-file-size", help="Split rank files at this size.")] = "5GB",
-    workers: Annotated[int, typer.Option("--workers", "-j", min=1, help="Files written at once.")] = 1,
+    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Files written at once; 0 = one per "
+                                         "core, at most one per file.")] = 0,
     memory_budget: Annotated[str, typer.Option("--memory-budget", help="Bytes of slices in flight "
                                                "across workers.")] = "4GiB",
     force: Annotated[bool, typer.Option("--force", help="Write into an existing non-adapt directory.")] = False,
@@ -85,7 +86,8 @@ def run_cmd(
     d = s["plan"]
     emit(f"sharded {ckpt} -> {out}: tp{d['tp']} pp{d['pp']} ep{d['ep']} dp{d['dp']}, {s['world_size']} ranks, "
          f"{s['files']} files ({s['files_written']} written, {s['files_kept']} kept), "
-         f"{s['bytes_total'] / 1e9:.3f} GB, {s['seconds']:.2f} s, {s['gb_per_s']:.2f} GB/s, dtype {s['dtype']}", None)
+         f"{s['bytes_total'] / 1e9:.3f} GB, {s['seconds']:.2f} s, {s['gb_per_s']:.2f} GB/s, dtype {s['dtype']}, "
+         f"{s['workers']} worker{'s' if s['workers'] != 1 else ''}", None)
 
 
 @shard_app.command("verify", help="Check OUT against its manifest (completeness, sizes, sha256); with --source, "

@@ -50,13 +50,14 @@ class ShardResult:
     bytes_written: int
     bytes_total: int
     seconds: float
+    workers: int = 1
 
     def to_dict(self) -> dict:
         gbps = self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else 0.0
         return dict(out=str(self.out_dir), plan=self.manifest.plan["degrees"], world_size=self.manifest.world_size,
                     files=len(self.manifest.files), files_written=self.files_written, files_kept=self.files_kept,
                     bytes_written=self.bytes_written, bytes_total=self.bytes_total, seconds=round(self.seconds, 3),
-                    gb_per_s=round(gbps, 3), dtype=self.manifest.dtype)
+                    gb_per_s=round(gbps, 3), dtype=self.manifest.dtype, workers=self.workers)
 
 
 class Budget:
@@ -119,6 +120,12 @@ def _check_out_dir(out: Path, force: bool) -> None:
         raise ShardError(f"--out {out} exists and is not an adapt shard output; pass --force to write into it")
 
 
+def auto_workers(n_files: int) -> int:
+    """``--workers 0``: one writer per core (each both hashes and copies), never more than there are files."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                      n_files, 8))
+
+
 def _fingerprint(files: list[OutputFile], sources: list[dict]) -> str:
     body = json.dumps([[f.to_json() for f in files], sources], sort_keys=True).encode()
     return hashlib.sha256(body).hexdigest()
@@ -153,7 +160,7 @@ class _Journal:
 
 def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None = None, *, tp: int = 1,
           pp: int = 1, ep: int = 1, dp: int = 1, plan_file: str | Path | None = None, dtype: str = "keep",
-          max_file_size: int = DEFAULT_MAX_FILE_SIZE, workers: int = 1, memory_budget: int = DEFAULT_BUDGET,
+          max_file_size: int = DEFAULT_MAX_FILE_SIZE, workers: int = 0, memory_budget: int = DEFAULT_BUDGET,
           force: bool = False, allow_pickle: bool = False, trust_hub_cache: bool = True,
           progress: Callable[[int, int], None] | None = None) -> ShardResult:
     """Shard a checkpoint directory into ``out_dir`` per the plan. ``progress(delta_bytes, total_bytes)``."""
@@ -161,8 +168,8 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     src_dir, out = Path(checkpoint), Path(out_dir)
     if dtype not in DTYPE_CHOICES:
         raise ShardError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
-    if workers < 1:
-        raise ShardError(f"--workers must be at least 1, got {workers}")
+    if workers < 0:
+        raise ShardError(f"--workers must be 0 (auto) or more, got {workers}")
     cfg = read_config(Path(src_dir) / "config.json")
     spec = ModelSpec.from_hf_config(cfg, name=src_dir.name)
     layout = WeightLayout.from_spec(spec)
@@ -175,6 +182,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     ckpt, _ = open_checkpoint(src_dir, allow_pickle)
     names = check_against_layout(ckpt, layout)
     files = plan_outputs(ckpt, layout, plan, names, dtype, max_file_size)
+    workers = workers or auto_workers(len(files))
     block = spec.quant.block_size if spec.quant else None
     src_stat = {f: (src_dir / f).stat() for f in ckpt.files}
     sources = [dict(name=f, size=s.st_size) for f, s in src_stat.items()]
@@ -271,7 +279,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         mf.write(manifest.to_json().encode())
     (out / JOURNAL).unlink(missing_ok=True)
     return ShardResult(out, manifest, written[0], len(files) - written[0], written[1], total,
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, workers)
 
 
 def _slice_cost(t, ckpt: Checkpoint) -> int:

@@ -7,9 +7,12 @@ bm x bn block (edge blocks are partial when R or C is not a multiple of the bloc
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from adapt.spec import ceil_div
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: a pure-slicing run never loads it (~0.8 s)
+    import torch
 
 DTYPE_CHOICES = ("keep", "bf16", "fp16", "fp32")
 _TARGET = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -34,17 +37,21 @@ def plan_transform(src_dtype: str, choice: str, quantized: bool) -> tuple[str, s
     return "none", src_dtype
 
 
-def cast(t: torch.Tensor, dtype: str) -> torch.Tensor:
+def cast(t: "torch.Tensor", dtype: str) -> "torch.Tensor":
+    import torch
+
     return t.to(getattr(torch, dtype))
 
 
-def dequant_slice(w: torch.Tensor, scale_rows: torch.Tensor, block: tuple[int, int], dim: int | None,
-                  start: int, dtype: str) -> torch.Tensor:
+def dequant_slice(w: "torch.Tensor", scale_rows: "torch.Tensor", block: tuple[int, int], dim: int | None,
+                  start: int, dtype: str) -> "torch.Tensor":
     """Dequantize a slice of an FP8 weight, vectorized in row chunks.
 
     ``w`` is the slice ([start, start + w.shape[dim]) along dim, or the whole weight when dim is None);
     ``scale_rows`` the scale blocks covering it: along dim the blocks from ``start // block[dim]``.
     """
+    import torch
+
     bm, bn = block
     rows, cols = w.shape
     r0 = start if dim == 0 else 0
@@ -67,8 +74,11 @@ def dequant_slice(w: torch.Tensor, scale_rows: torch.Tensor, block: tuple[int, i
     return out
 
 
-def reference_dequant(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: str) -> torch.Tensor:
+def reference_dequant(w: "torch.Tensor", scale: "torch.Tensor", block: tuple[int, int], dtype: str
+                      ) -> "torch.Tensor":
     """The reference formula on a whole weight: pad to whole blocks, multiply per block, crop, cast."""
+    import torch
+
     bm, bn = block
     rows, cols = w.shape
     rb, cb = ceil_div(rows, bm), ceil_div(cols, bn)

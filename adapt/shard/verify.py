@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from adapt.errors import AdaptError
 from adapt.layout import WeightLayout
@@ -25,6 +24,9 @@ from adapt.shard.manifest import Manifest, OutputTensor, check_rel_path, load_ma
 from adapt.shard.transform import reference_dequant
 from adapt.shard.writer import sha256_file
 from adapt.spec import ModelSpec
+
+if TYPE_CHECKING:  # torch is loaded only when --source re-assembles tensors, so `adapt shard` starts fast
+    import torch
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,9 @@ def _check_one(out: Path, rel: str, size: int, sha: str, rep: VerifyReport, kind
     return True
 
 
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _bitwise_equal(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    import torch
+
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.numel() == 0:
@@ -168,6 +172,7 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_source(m: Manifest, out: Path, src: Path, good: set[str], rep: VerifyReport, allow_pickle: bool) -> None:
+    import torch
     from safetensors import safe_open
 
     ckpt, _ = open_checkpoint(src, allow_pickle)

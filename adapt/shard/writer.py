@@ -10,17 +10,33 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from adapt.errors import ShardError
 from adapt.shard.header import encode_header
 
+if TYPE_CHECKING:  # imported only where a tensor is handled: pure slicing never loads torch (~0.8 s)
+    import torch
+
 TMP_MARK = ".adapt-tmp-"
 HASH_CHUNK = 1 << 20
+# A buffer at least this large is hashed on a lane thread while the caller writes it (both release the GIL), so
+# one file's write costs max(write, hash) rather than their sum; smaller ones are hashed inline.
+OVERLAP_MIN = 256 << 10
+_lanes: ThreadPoolExecutor | None = None
+_lanes_lock = threading.Lock()
+
+
+def _hash_lanes() -> ThreadPoolExecutor:
+    global _lanes
+    with _lanes_lock:
+        if _lanes is None:
+            _lanes = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="adapt-sha")
+        return _lanes
 
 
 def tmp_name(path: Path) -> Path:
@@ -58,11 +74,18 @@ class AtomicFile:
         return self
 
     def write(self, data) -> None:
+        """Append ``data``; it is hashed from the same buffer it is written from, before this returns."""
         mv = memoryview(data).cast("B")
-        self.sha.update(mv)  # hashlib releases the GIL for large buffers
-        done = 0
-        while done < mv.nbytes:
-            done += self.f.write(mv[done:])
+        lane = _hash_lanes().submit(self.sha.update, mv) if mv.nbytes >= OVERLAP_MIN else None
+        if lane is None:
+            self.sha.update(mv)
+        try:
+            done = 0
+            while done < mv.nbytes:
+                done += self.f.write(mv[done:])
+        finally:
+            if lane is not None:
+                lane.result()  # the caller may reuse the buffer once this returns
         self.size += mv.nbytes
 
     def copy_range(self, src_fd: int, offset: int, n: int, on_bytes: Callable[[int], None] | None = None) -> None:
@@ -137,8 +160,10 @@ COPY_RANGE = hasattr(os, "copy_file_range") and os.environ.get("ADAPT_SHARD_COPY
 _COPY_ERRNOS = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EIO}
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: "torch.Tensor") -> memoryview:
     """The raw little-endian bytes of a tensor, without a copy when it is contiguous."""
+    import torch
+
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
@@ -161,7 +186,8 @@ def write_safetensors(path: Path, specs: list[tuple[str, str, tuple[int, ...]]],
         for i, (name, dtype, shape) in enumerate(specs):
             want = offs[i][1] - offs[i][0]
             t = produce(i)
-            if isinstance(t, torch.Tensor):
+            torch = sys.modules.get("torch")  # a tensor can only exist once torch is imported
+            if torch is not None and isinstance(t, torch.Tensor):
                 if tuple(t.shape) != tuple(shape) or str(t.dtype).replace("torch.", "") != dtype:
                     raise ShardError(f"internal: {name} produced {tuple(t.shape)} {t.dtype}, planned {shape} {dtype}")
                 b = tensor_bytes(t)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from adapt.errors import PlanError
+from adapt.errors import PlanError, ShardError
 from adapt.layout import WeightLayout
 from adapt.plan import ParallelPlan
 from adapt.shard import load_manifest, open_rank, shard, verify
@@ -62,3 +62,21 @@ def test_workers_write_the_same_bytes(tiny_ckpts, tmp_path):
     a = shard(ckpt, tmp_path / "a", tp=2, ep=2, max_file_size=20_000, workers=1).manifest
     b = shard(ckpt, tmp_path / "b", tp=2, ep=2, max_file_size=20_000, workers=3, memory_budget=50_000).manifest
     assert [(f.path, f.sha256) for f in a.files] == [(f.path, f.sha256) for f in b.files]
+
+
+def test_auto_workers_one_per_core_and_at_most_one_per_file(tiny_ckpts, tmp_path, monkeypatch):
+    import os
+
+    from adapt.shard import run as run_mod
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert run_mod.auto_workers(1) == 1
+    assert run_mod.auto_workers(3) == 3
+    assert run_mod.auto_workers(100) == 4
+    ckpt = tiny_ckpts["llama"]
+    one = shard(ckpt, tmp_path / "one", tp=2)  # a file per rank: two writers
+    assert one.workers == 2 and one.to_dict()["workers"] == 2
+    many = shard(ckpt, tmp_path / "many", tp=2, max_file_size=20_000)
+    assert many.workers == 4 and len(many.manifest.files) >= 4
+    with pytest.raises(ShardError, match="--workers"):
+        shard(ckpt, tmp_path / "bad", tp=2, workers=-1)
