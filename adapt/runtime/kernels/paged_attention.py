@@ -16,7 +16,7 @@ with index_select along NB (one memcpy per block); when every sequence
 fits in one chunk (the common decode case) the online-softmax bookkeeping is skipped.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,7 @@ class DecodeMeta:
     blocks: torch.Tensor | None  # [B * num_blocks] int64 block ids (single-chunk steps), else None
     masked: torch.Tensor | None  # [B, num_blocks * BS] True past each sequence's end (single chunk)
     any_empty: bool  # some sequence has no key
+    cache: dict = field(default_factory=dict)  # per (Hq, Hkv): the stacked-heads bias of this step
 
 
 def decode_meta(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
@@ -78,6 +79,8 @@ def paged_decode_attention(
     dev = q.device
     if num_blocks == 0:
         return q.new_zeros(b, hq, dv)
+    if meta.blocks is not None and k_scale is None and v_scale is None and hkv * num_blocks * bs <= _STACKED_MAX:
+        return _stacked_heads(q, k_cache, v_cache, meta, scale)
     if meta.blocks is not None:  # one chunk (every decode up to BS * blocks_per_step keys): plain softmax
         n = num_blocks * bs
         kc = _gather_blocks(k_cache, k_scale, meta.blocks, b, n)  # [B, Hkv, n, D]
@@ -110,6 +113,46 @@ def paged_decode_attention(
         m = m_new
     out = torch.where(l > 0, acc / l.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(acc))
     return out.view(b, hq, dv).to(q.dtype)
+
+
+# the stacked-heads path computes every query head against every kv head's keys (Hkv x the scores'
+# multiply-adds, all tiny at decode) while keys are at most this many rows per sequence
+_STACKED_MAX = 1024
+
+
+def _stacked_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMeta,
+                   scale: float) -> torch.Tensor:
+    # One chunk with the gathered blocks left in cache order: [B, n * Hkv, D], row j = key j // Hkv of
+    # kv head j % Hkv. Each query head scores all n * Hkv rows in one bmm; a per-step additive bias puts
+    # -inf on other kv heads' rows and on positions past the sequence, so the softmax over the row is
+    # exactly the per-head softmax over that head's keys (masked rows weigh 0 in the second bmm). This
+    # avoids the transposing gather copies and the 4-D matmul reshapes: 7 ops for the whole attention.
+    b, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    dv = v_cache.shape[-1]
+    rows = meta.num_blocks * bs * hkv
+    kc = k_cache.index_select(0, meta.blocks).view(b, rows, d)
+    vc = v_cache.index_select(0, meta.blocks).view(b, rows, dv)
+    if kc.dtype != torch.float32:
+        kc, vc = kc.float(), vc.float()
+    s = torch.baddbmm(_stacked_bias(meta, hq, hkv, bs), q.float(), kc.transpose(1, 2), alpha=scale)  # [B, Hq, rows]
+    out = torch.bmm(torch.softmax(s, dim=-1), vc)  # [B, Hq, Dv]
+    if meta.any_empty:  # a sequence with no key: softmax over nothing, zeros by contract
+        out.masked_fill_((meta.seq_lens == 0)[:, None, None], 0.0)
+    return out.to(q.dtype)
+
+
+def _stacked_bias(meta: DecodeMeta, hq: int, hkv: int, bs: int) -> torch.Tensor:
+    # [B, Hq, n * Hkv] float32: 0 where row j is a key of query head h's kv head before seq_len, else -inf
+    key = (hq, hkv)
+    if key not in meta.cache:
+        n = meta.num_blocks * bs
+        dev = meta.seq_lens.device
+        j = torch.arange(n * hkv, device=dev)
+        own = (j[None, :] % hkv) == (torch.arange(hq, device=dev)[:, None] // (hq // hkv))  # [Hq, rows]
+        keep = own[None] & ((j // hkv)[None, None, :] < meta.seq_lens[:, None, None])  # [B, Hq, rows]
+        meta.cache[key] = torch.zeros(keep.shape, device=dev).masked_fill_(~keep, float("-inf"))
+    return meta.cache[key]
 
 
 def _gather(cache: torch.Tensor, scale: torch.Tensor | None, tables: torch.Tensor, n: int) -> torch.Tensor:
