@@ -59,11 +59,24 @@ def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_ti
     # [tq, Hkv*G, D] -> [Hkv, G*tq, D]; row r = gi * tq + i is query qs + i of head kv*G + gi
     qt = q[q0 + qs : q0 + qe].float().reshape(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tq, d)
     dev = q.device
+    qpos = (torch.arange(qs, qe, device=dev) + shift).repeat(g)  # [G*tq] key position of each row
+    k_end = min(qe + shift, lk) if causal else lk
+    if k_end <= k_tile:  # every key in one tile: a plain softmax, no running max / sum to carry
+        kt = k[k0 : k0 + k_end].float().permute(1, 2, 0)  # [Hkv, D, tk]
+        vt = v[k0 : k0 + k_end].float().permute(1, 0, 2)  # [Hkv, tk, Dv]
+        if causal and k_end - 1 > qs + shift:  # the causal mask as an additive -inf bias of the GEMM
+            kpos = torch.arange(k_end, device=dev)
+            bias = torch.zeros(g * tq, k_end, device=dev).masked_fill_(kpos[None, :] > qpos[:, None],
+                                                                       float("-inf"))
+            s = torch.baddbmm(bias.expand(hkv, -1, -1), qt, kt, alpha=scale)  # [Hkv, G*tq, tk]
+        else:
+            s = torch.matmul(qt, kt).mul_(scale)  # [Hkv, G*tq, tk]
+        o = torch.matmul(torch.softmax(s, dim=-1), vt)  # [Hkv, G*tq, Dv]
+        out[q0 + qs : q0 + qe] = o.view(hkv, g, tq, dv).permute(2, 0, 1, 3).reshape(tq, hkv * g, dv)
+        return
     m = torch.full((hkv, g * tq, 1), float("-inf"), device=dev)  # running max
     l = torch.zeros(hkv, g * tq, 1, device=dev)  # running sum
     acc = torch.zeros(hkv, g * tq, dv, device=dev)  # unnormalized output
-    qpos = (torch.arange(qs, qe, device=dev) + shift).repeat(g)  # [G*tq] key position of each row
-    k_end = min(qe + shift, lk) if causal else lk
     for ks in range(0, k_end, k_tile):
         ke = min(ks + k_tile, k_end)
         kt = k[k0 + ks : k0 + ke].float().permute(1, 2, 0)  # [Hkv, D, tk]
