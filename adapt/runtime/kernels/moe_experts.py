@@ -31,6 +31,19 @@ import torch
 import torch.nn.functional as F
 
 
+# index_select of floating rows, copied as integers of the same width: bitwise the same result, and
+# several times faster on CPU for bfloat16 (torch 2.13, [2560, 512] rows: 0.40 -> 0.08 ms one thread)
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x.index_select(0, index)."""
+    it = _SAME_WIDTH_INT.get(x.element_size())
+    if it is None or not x.is_floating_point():
+        return x.index_select(0, index)
+    return x.view(it).index_select(0, index).view(x.dtype)
+
+
 def moe_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -117,13 +130,14 @@ def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
     starts = torch.tensor(starts, device=dev)  # [E]
     dest = local_sorted * c + torch.arange(s, device=dev) - starts.index_select(0, local_sorted)  # [S']
     src = torch.zeros(e * c, dtype=torch.long, device=dev).index_copy_(0, dest, tokens)  # [E*C] token per row
-    xp = x.index_select(0, src).view(e, c, h)  # [E, C, H]
+    xp = _take_rows(x, src).view(e, c, h)  # [E, C, H]
     gu = torch.bmm(xp, w_gate_up.transpose(1, 2))  # [E, C, 2I]
-    hp = torch.bmm(F.silu(gu[..., :inter]) * gu[..., inter:], w_down.transpose(1, 2))  # [E, C, H]
+    act = F.silu(gu[..., :inter]).mul_(gu[..., inter:])  # [E, C, I]
     t, k = weights.shape
+    hp = torch.bmm(act, w_down.transpose(1, 2))  # [E, C, H]
     if s == t * k:  # every slot is served here: gather each token's K rows and sum them, no scatter
         pos = torch.empty_like(dest).index_copy_(0, order, dest)  # [T*K] padded row of slot (t, k)
-        rows = hp.view(e * c, h).index_select(0, pos).view(t, k, h)
+        rows = _take_rows(hp.view(e * c, h), pos).view(t, k, h)
         return (rows * weights.float()[:, :, None]).sum(1).to(x.dtype)  # float32 weighted combine
     wp = torch.zeros(e * c, dtype=torch.float32, device=dev).index_copy_(
         0, dest, weights.reshape(-1).index_select(0, order).float())  # [E*C], 0 on padding rows
@@ -146,7 +160,7 @@ def _grouped(x, weights, ids, e, expert_offset, expert, grouped=None, padded=Non
         out = padded(x, weights, tokens, order, local, counts)
         if out is not None:
             return out
-    xs = x.index_select(0, tokens)  # [S', H]
+    xs = _take_rows(x, tokens)  # [S', H]
     ys = None  # [S', H]
     if grouped is not None:
         ys = grouped(xs, counts)

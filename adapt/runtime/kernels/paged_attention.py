@@ -23,6 +23,19 @@ import torch
 from .kv_quant import quantize_int8
 
 
+# index_select of floating rows, copied as integers of the same width: bitwise the same result, and
+# several times faster on CPU for bfloat16 (torch 2.13, [2560, 512] rows: 0.40 -> 0.08 ms one thread)
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x.index_select(0, index)."""
+    it = _SAME_WIDTH_INT.get(x.element_size())
+    if it is None or not x.is_floating_point():
+        return x.index_select(0, index)
+    return x.view(it).index_select(0, index).view(x.dtype)
+
+
 @dataclass(frozen=True)
 class DecodeMeta:
     """What every layer's decode attention of one step shares, computed once (``decode_meta``)."""
@@ -131,8 +144,8 @@ def _stacked_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     _, bs, hkv, _ = k_cache.shape
     dv = v_cache.shape[-1]
     rows = meta.num_blocks * bs * hkv
-    kc = k_cache.index_select(0, meta.blocks).view(b, rows, d)
-    vc = v_cache.index_select(0, meta.blocks).view(b, rows, dv)
+    kc = _take_rows(k_cache, meta.blocks).view(b, rows, d)
+    vc = _take_rows(v_cache, meta.blocks).view(b, rows, dv)
     if kc.dtype != torch.float32:
         kc, vc = kc.float(), vc.float()
     s = torch.baddbmm(_stacked_bias(meta, hq, hkv, bs), q.float(), kc.transpose(1, 2), alpha=scale)  # [B, Hq, rows]
@@ -167,7 +180,7 @@ def _gather_blocks(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torc
     # float32 [B, Hkv, n, D] made contiguous by the one copy that also converts the dtype, so the two
     # matmuls of the caller read it without copying again (a transposed view made each of them copy)
     _, _, h, d = cache.shape
-    x = cache.index_select(0, blocks).view(b, n, h, d)
+    x = _take_rows(cache, blocks).view(b, n, h, d)
     if scale is not None:
         x = x.float() * scale.index_select(0, blocks).view(b, n, h, 1).float()
     return torch.empty(b, h, n, d, dtype=torch.float32, device=cache.device).copy_(x.transpose(1, 2))
