@@ -48,8 +48,9 @@ def run_cmd(
     force: Annotated[bool, typer.Option("--force", help="Write into an existing non-adapt directory.")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Load .bin/.pt weights with "
                                                "torch.load(weights_only=True).")] = False,
-    rehash_source: Annotated[bool, typer.Option("--rehash-source", help="Hash hub-cache source files too, "
-                                                "instead of trusting their blobs/<sha256> names.")] = False,
+    rehash_source: Annotated[bool, typer.Option("--rehash-source", help="Hash hub-downloaded source files "
+                                                "too, instead of trusting the sha256 the hub client recorded "
+                                                "(blobs/<sha256> names, --local-dir metadata).")] = False,
     fmt: FormatOpt = "text",
 ) -> None:
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,

@@ -10,6 +10,11 @@ Three ways, in this order (the manifest records which, as ``sha256_from``):
   cache is intact, i.e. nobody edited a blob in place after the hub client downloaded it. Pass
   ``trust_hub_cache=False`` (``adapt shard --rehash-source``) to hash anyway; ``adapt shard verify
   --source`` always re-hashes.
+- ``hub-local-dir``: the file was downloaded with ``hf download ... --local-dir DIR`` (``hf_hub_download(...,
+  local_dir=DIR)``), which leaves ``DIR/.cache/huggingface/download/<name>.metadata``: the commit, the
+  file's etag (the LFS oid, i.e. the sha256, for LFS files) and the time it was written. The etag is used
+  when it is 64 hex digits and the file was not modified after that time (the hub client's own rule for
+  reusing a local file, with its one-second allowance). Same trust assumption and opt-out as ``hub-blob``.
 - ``hashed``: read and hashed (hashlib releases the GIL, so this overlaps the writers).
 """
 
@@ -39,6 +44,22 @@ def hub_blob_sha256(path: Path) -> str | None:
     return target.name
 
 
+def hub_local_dir_sha256(path: Path, st: os.stat_result) -> str | None:
+    """The sha256 the hub client recorded when it downloaded ``path`` into a ``--local-dir``, or None."""
+    path = Path(path)
+    meta = path.parent / ".cache" / "huggingface" / "download" / f"{path.name}.metadata"
+    try:
+        if not meta.is_file() or meta.stat().st_size > 4096:
+            return None
+        lines = meta.read_text(encoding="utf-8").splitlines()
+        etag, written = lines[1].strip().strip('"'), float(lines[2])
+    except (OSError, UnicodeDecodeError, IndexError, ValueError):
+        return None
+    if not _SHA256.match(etag) or st.st_mtime - 1 > written:
+        return None
+    return etag
+
+
 def source_digest(path: Path, st: os.stat_result, known: dict | None, trust_hub_cache: bool = True
                   ) -> dict:
     """{size, mtime_ns, ino, sha256, sha256_from} for a source file whose (followed) stat is ``st``."""
@@ -48,4 +69,7 @@ def source_digest(path: Path, st: os.stat_result, known: dict | None, trust_hub_
     blob = hub_blob_sha256(path) if trust_hub_cache else None
     if blob is not None:
         return dict(base, sha256=blob, sha256_from="hub-blob")
+    local = hub_local_dir_sha256(path, st) if trust_hub_cache else None
+    if local is not None:
+        return dict(base, sha256=local, sha256_from="hub-local-dir")
     return dict(base, sha256=sha256_file(path), sha256_from="hashed")

@@ -143,3 +143,51 @@ def test_hub_cache_non_lfs_or_plain_names_not_trusted(tmp_path):
     link = tmp_path / "snapshots" / "r" / "model.safetensors"
     link.symlink_to(other / ("c" * 64))  # 64 hex, but not in the repo's blobs/
     assert hub_blob_sha256(link) is None
+
+
+def _local_dir_meta(d, name, etag, written):
+    meta = d / ".cache" / "huggingface" / "download"
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / f"{name}.metadata").write_text(f"{'a' * 40}\n{etag}\n{written}\n")
+
+
+def test_hub_local_dir_metadata_used_as_sha256(tiny_ckpts, tmp_path):
+    src = tmp_path / "local"
+    shutil.copytree(tiny_ckpts["llama"], src)
+    files = sorted(f for f in src.iterdir() if f.suffix == ".safetensors")
+    for f in files:  # as `hf download --local-dir` leaves it: etag = LFS oid = sha256, written after the file
+        _local_dir_meta(src, f.name, hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_mtime + 0.5)
+    m = shard(src, tmp_path / "o", tp=2).manifest
+    assert {s["sha256_from"] for s in m.source_files} == {"hub-local-dir"}
+    assert verify(tmp_path / "o", source=src).ok
+    m2 = shard(src, tmp_path / "o2", tp=2, trust_hub_cache=False).manifest
+    assert {s["sha256_from"] for s in m2.source_files} == {"hashed"}
+    assert [s["sha256"] for s in m.source_files] == [s["sha256"] for s in m2.source_files]
+
+
+def test_hub_local_dir_metadata_not_trusted_when_stale_or_not_lfs(tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"12345678")
+    st = os.stat(f)
+    good = hashlib.sha256(b"12345678").hexdigest()
+    _local_dir_meta(tmp_path, f.name, good, st.st_mtime + 0.5)
+    assert source_digest(f, st, None)["sha256_from"] == "hub-local-dir"
+    assert source_digest(f, st, None, trust_hub_cache=False)["sha256_from"] == "hashed"
+    _local_dir_meta(tmp_path, f.name, good, st.st_mtime - 5)  # file edited after the download
+    assert source_digest(f, st, None)["sha256_from"] == "hashed"
+    _local_dir_meta(tmp_path, f.name, "b" * 40, st.st_mtime + 0.5)  # git sha1 etag: a non-LFS file
+    assert source_digest(f, st, None)["sha256_from"] == "hashed"
+    (tmp_path / ".cache/huggingface/download/model.safetensors.metadata").write_text("garbage")
+    assert source_digest(f, st, None)["sha256_from"] == "hashed"
+
+
+@pytest.mark.parametrize("writeback", [True, False])
+def test_early_writeback_keeps_bytes_and_hash(tmp_path, monkeypatch, writeback):
+    monkeypatch.setattr(writer, "WRITEBACK", writeback and hasattr(os, "posix_fadvise"))
+    monkeypatch.setattr(writer, "WRITEBACK_EVERY", 1 << 16)
+    data = os.urandom(3 << 20)
+    with writer.AtomicFile(tmp_path / "f.bin") as f:
+        for i in range(0, len(data), 100_003):  # odd piece sizes across many windows
+            f.write(data[i:i + 100_003])
+    assert (tmp_path / "f.bin").read_bytes() == data
+    assert f.sha256 == hashlib.sha256(data).hexdigest() and f.size == len(data)
