@@ -118,3 +118,20 @@ def test_decode_meta_shared_by_layers_equals_per_call():
         b = paged_decode_attention(q, kc, vc, tables, lens, 0.25, blocks_per_step=step)
         assert torch.equal(a, b)
         assert_fp32_close(a, paged_decode_attention_ref(q, kc, vc, tables, lens, 0.25))
+
+
+@pytest.mark.parametrize("stacked_max", [0, 1 << 20])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (8, 1)])
+def test_single_chunk_paths_match_twin(hq, hkv, stacked_max, monkeypatch):
+    # single-chunk steps take the stacked-heads path while Hkv * keys <= _STACKED_MAX, else the per-head
+    # gather; both (and the zero-length sequence) must match the twin
+    from adapt.runtime.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_STACKED_MAX", stacked_max)
+    lens = [0, 1, 16, 17, 33]
+    q, k, v, kc, vc, _, tables, slots = _setup(lens, hq, hkv, 16, 8)
+    write_kv_cache(k, v, kc, vc, slots)
+    t = torch.tensor(lens)
+    out = paged_decode_attention(q, kc, vc, tables, t, 0.25)  # default blocks_per_step: one chunk
+    assert_fp32_close(out, paged_decode_attention_ref(q, kc, vc, tables, t, 0.25), f"hq={hq} hkv={hkv}")
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
