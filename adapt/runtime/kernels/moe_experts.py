@@ -25,6 +25,8 @@ padded to the busiest expert's count C and two ``torch.bmm`` over [E, C, *], the
 transposed by the model so the right-hand sides are contiguous (no tokens dropped: C is the maximum,
 not a capacity factor). Same machine, 512 tokens: bfloat16 3.4 ms against 5.3-7.0 for transformers'
 grouped_mm, float32 7.3-8.8 against 9.5-9.8; when the padding would waste too much it declines.
+On a 2-core AMD EPYC float32 loses to the per-expert loop beyond ~16 rows per expert, so float32
+takes the padded and grouped paths only up to that (measurements by the constants below).
 """
 
 import torch
@@ -85,7 +87,8 @@ def moe_experts_fused(
         # torch._grouped_mm (one call per projection) where this build has a CPU kernel: it saves the
         # per-expert dispatch once most experts are busy, but falls behind the per-expert GEMMs beyond
         # ~64 rows per expert (measured, see the module docstring); None falls back to the loop
-        if not (_GROUPED_MM and xs.device.type == "cpu" and e < xs.shape[0] <= _GROUPED_MAX_ROWS * e):
+        max_rows = _GROUPED_MAX_ROWS if xs.dtype in _LOWP else _GROUPED_MAX_ROWS_FP32
+        if not (_GROUPED_MM and xs.device.type == "cpu" and e < xs.shape[0] <= max_rows * e):
             return None
         offs = torch.tensor(counts[:e], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         try:
@@ -107,6 +110,12 @@ _GROUPED_MAX_ROWS = 64  # mean rows per expert up to which torch._grouped_mm bea
 # (measured, 32 experts top-4: 16 tokens bf16 1.94 -> 1.16 ms at 4x, float32 1.44 -> 1.65 ms, worse)
 _PAD_MAX_WASTE = 1.5
 _PAD_MAX_WASTE_LOWP = 4.0
+# float32 on a 2-core AMD EPYC (torch 2.13, 32 experts top-4, H 512, I 256; ms for the MoE block):
+# 128 tokens padded 11.4 / grouped_mm 11.9 / loop 12.8, 512 tokens 30.4 / 26.0 / 22.0, 1024 tokens
+# padded 61.5 / loop 35.5. So float32 takes the batched paths only up to 16 rows per expert on average
+_PAD_MAX_ROWS_FP32 = 16
+_GROUPED_MAX_ROWS_FP32 = 16
+_LOWP = (torch.bfloat16, torch.float16)
 
 
 def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down) -> torch.Tensor | None:
@@ -118,7 +127,9 @@ def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
     under expert parallelism it scatter-adds the served rows."""
     e, i2, h = w_gate_up.shape
     inter, s, c = i2 // 2, tokens.shape[0], max(counts[:e])
-    max_waste = _PAD_MAX_WASTE_LOWP if x.dtype in (torch.bfloat16, torch.float16) else _PAD_MAX_WASTE
+    max_waste = _PAD_MAX_WASTE_LOWP if x.dtype in _LOWP else _PAD_MAX_WASTE
+    if x.dtype not in _LOWP and s > _PAD_MAX_ROWS_FP32 * e:
+        return None
     if (c == 0 or e * c > max_waste * s or w_gate_up.transpose(1, 2).stride(-1) != 1
             or w_down.transpose(1, 2).stride(-1) != 1):
         return None
