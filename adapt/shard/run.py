@@ -121,7 +121,8 @@ def _check_out_dir(out: Path, force: bool) -> None:
 
 
 def auto_workers(n_files: int) -> int:
-    """``--workers 0``: one writer per core (each both hashes and copies), never more than there are files."""
+    """``--workers 0``: one writer per usable core (each both hashes and copies), never more than there are
+    files nor more than 8 (a bound on threads and their chunk buffers; more needs an explicit --workers)."""
     return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
                       n_files, 8))
 
