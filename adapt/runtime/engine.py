@@ -27,7 +27,7 @@ from adapt.runtime.cache.block_manager import BlockManager
 from adapt.runtime.cache.kv_pool import KVCacheSpec, KVPool, available_memory_bytes
 from adapt.runtime.kernels import get_kernels
 from adapt.runtime.loader import load_weights, materialize
-from adapt.runtime.models.layers import PACK_DTYPES_EXACT, can_prepack, prepack_linears
+from adapt.runtime.models.layers import PACK_DTYPES_ALL, PACK_DTYPES_EXACT, can_prepack, prepack_linears
 from adapt.runtime.model_runner import ModelRunner
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.registry import model_class
@@ -132,11 +132,12 @@ class Engine:
 
         kv_cache_memory: bytes, a size string ('2GiB') or a fraction of free memory ('0.5'); default 90% of
         free device memory (CPU: at most 512 MiB). kv_cache_dtype: 'auto' (the model dtype) or 'int8'.
-        prepack: on CPU, pack linear weights once for oneDNN: 'auto' for bfloat16 / float16 (bitwise the
-        same results), 'all' for float32 too (another summation order), 'off' never.
+        prepack: on CPU, pack linear weights once for oneDNN: 'auto' for every dtype it packs (bfloat16 /
+        float16 give F.linear's results bitwise, float32 sums in another order, a few ulp away, about twice
+        as fast), 'exact' only the bitwise-exact dtypes, 'off' never.
         """
-        if prepack not in ("auto", "all", "off"):
-            raise RuntimeConfigError(f"prepack must be auto, all or off; got {prepack!r}")
+        if prepack not in ("auto", "exact", "off"):
+            raise RuntimeConfigError(f"prepack must be auto, exact or off; got {prepack!r}")
         tdtype = resolve_dtype(dtype)
         dev = resolve_device(device, tdtype)
         if kv_cache_dtype not in ("auto", "int8"):
@@ -152,7 +153,7 @@ class Engine:
         materialize(net, dev, tdtype)
         load_weights(net, spec, layout, ctx, src.reader, presliced=src.presliced)
         if prepack != "off" and can_prepack(dev):
-            prepack_linears(net, PACK_DTYPES_EXACT + ((torch.float32,) if prepack == "all" else ()))
+            prepack_linears(net, PACK_DTYPES_ALL if prepack == "auto" else PACK_DTYPES_EXACT)
         net.eval()
         max_len = max_model_len or spec.max_position_embeddings
         pool = _make_pool(spec, net, ctx, dev, tdtype, kv_cache_memory, kv_cache_dtype, block_size, max_len,

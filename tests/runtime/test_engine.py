@@ -165,7 +165,27 @@ def test_prepacked_bf16_linears_change_nothing(which, request):
     a = [r.token_ids for r in packed.generate(prompts, GREEDY)]
     b = [r.token_ids for r in plain.generate(prompts, GREEDY)]
     assert a == b
-    fp32 = Engine.from_pretrained(path, kv_cache_memory="16MiB")
-    assert not any(p.is_mkldnn for p in fp32.model.parameters())  # float32 packs only when asked
     with pytest.raises(RuntimeConfigError, match="prepack"):
         Engine.from_pretrained(path, kv_cache_memory="16MiB", prepack="yes")
+
+
+@pytest.mark.parametrize("which", ["k2", "llama"])
+def test_prepacked_fp32_linears_stay_within_fp32_tolerance(which, request):
+    # float32 packs by default (another summation order); 'exact' keeps it on F.linear, bitwise
+    from adapt.runtime.models.layers import can_prepack
+
+    if not can_prepack(torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN linear")
+    path = request.getfixturevalue(which)
+    packed = Engine.from_pretrained(path, kv_cache_memory="16MiB")
+    exact = Engine.from_pretrained(path, kv_cache_memory="16MiB", prepack="exact")
+    plain = Engine.from_pretrained(path, kv_cache_memory="16MiB", prepack="off")
+    assert sum(p.is_mkldnn for p in packed.model.parameters()) > 0
+    assert not any(p.is_mkldnn for e in (exact, plain) for p in e.model.parameters())
+    ids = [0, 5, 9, 33, 2, 17, 40]
+    a, b = packed.prefill_logits(ids), plain.prefill_logits(ids)
+    assert torch.equal(exact.prefill_logits(ids), b)
+    assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+    prompts = _ragged(4)
+    assert [r.token_ids for r in packed.generate(prompts, GREEDY)] == \
+        [r.token_ids for r in plain.generate(prompts, GREEDY)]
