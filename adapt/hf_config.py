@@ -134,6 +134,31 @@ def _eos(cfg: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(int(x) for x in (e if isinstance(e, list) else [e]))
 
 
+def _sliding_window(cfg: Mapping[str, Any], mt: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, layers using it; None = all), as transformers 5 applies them: ``layer_types`` when the
+    config lists them (transformers writes it on save); else mistral / mixtral window every layer, qwen3_moe
+    every layer when ``use_sliding_window``, qwen2 / qwen3 the layers from ``max_window_layers`` on and
+    qwen2_moe the even-indexed layers below it."""
+    w = cfg.get("sliding_window")
+    if mt not in ("mistral", "mixtral") and not cfg.get("use_sliding_window"):
+        w = None
+    if not w:
+        return None, None
+    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+        raise ConfigError(f"sliding_window must be a positive integer; got {w!r}")
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise ConfigError(f"layer_types must list one type per layer ({layers}); got {types!r}")
+        on = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif mt in ("mistral", "mixtral", "qwen3_moe"):
+        return w, None
+    else:
+        mwl = int(cfg.get("max_window_layers", 28))
+        on = tuple(i for i in range(layers) if (i % 2 == 0 and i < mwl if mt == "qwen2_moe" else i >= mwl))
+    return (w, on) if on else (None, None)
+
+
 def parse_text(cfg: dict[str, Any], mt: str) -> ModelSpec:
     d = _DEFAULTS[mt]
     family = FAMILIES[mt]
@@ -192,10 +217,11 @@ def parse_text(cfg: dict[str, Any], mt: str) -> ModelSpec:
         o_bias = bias if mt in ("llama", "qwen3", "qwen3_moe", "mistral") else False
         if mt == "mistral":
             o_bias = qkv_bias = False
-        window = cfg.get("sliding_window") if (mt in ("mistral", "mixtral") or cfg.get("use_sliding_window")) else None
+        window, window_layers = _sliding_window(cfg, mt, layers)
         attn = AttentionSpec(kind="gqa", num_heads=heads, num_kv_heads=kv_heads, head_dim=int(head_dim),
                              v_head_dim=int(head_dim), qkv_bias=qkv_bias, o_bias=o_bias,
-                             qk_norm=mt in ("qwen3", "qwen3_moe"), sliding_window=window or None)
+                             qk_norm=mt in ("qwen3", "qwen3_moe"), sliding_window=window,
+                             window_layers=window_layers)
         rope = _rope(cfg, d, int(head_dim * float(cfg.get("partial_rotary_factor", 1.0))), False)
         if family == "mixtral":
             if "num_local_experts" not in cfg and "num_experts" in cfg:

@@ -66,6 +66,13 @@ class AttentionSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     sliding_window: int | None = None
+    window_layers: tuple[int, ...] | None = None  # layers that use the sliding window; None: all of them
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer`` (None: it attends to every earlier token)."""
+        if not self.sliding_window or (self.window_layers is not None and layer not in self.window_layers):
+            return None
+        return self.sliding_window
 
 
 @dataclass(frozen=True)

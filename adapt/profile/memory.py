@@ -36,9 +36,15 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = "bfloat16") -> int:
 
 
 def kv_cached_tokens(spec: ModelSpec, context: int) -> int:
-    """Tokens the cache holds per sequence at ``context`` (capped by a sliding window)."""
-    w = spec.attention.sliding_window
-    return min(context, w) if w else context
+    """Tokens the cache holds per sequence and layer at ``context``: a sliding window caps its layers (a
+    cache that drops what left the window); with some layers windowed (Qwen's max_window_layers) the
+    mean over layers, so that x layers x bytes per token per layer is the whole cache."""
+    a = spec.attention
+    if not a.sliding_window:
+        return context
+    n = spec.num_layers
+    windowed = n if a.window_layers is None else len(a.window_layers)
+    return round((windowed * min(context, a.sliding_window) + (n - windowed) * context) / n)
 
 
 def kv_bytes(spec: ModelSpec, context: int, batch: int = 1, kv_dtype: str = "bfloat16") -> int:

@@ -49,3 +49,37 @@ def test_dtypes():
     assert normalize_dtype("fp8") == "float8_e4m3fn" and normalize_dtype("half") == "float16"
     with pytest.raises(ConfigError):
         dtype_bytes("fp7")
+
+
+def test_sliding_window_layers_follow_transformers():
+    import transformers
+
+    from tests.fixtures.tiny import tiny_config
+
+    def spec(name, **kw):
+        return ModelSpec.from_hf_config(tiny_config(name, **kw)).attention
+
+    def saved(mt, **kw):  # the config.json transformers writes (layer_types included)
+        return ModelSpec.from_hf_config(transformers.AutoConfig.for_model(mt, **kw).to_dict()).attention
+
+    a = spec("mistral", sliding_window=8)
+    assert a.sliding_window == 8 and a.window_layers is None and a.window_of(1) == 8
+    assert spec("qwen2", sliding_window=8).window_of(1) is None  # use_sliding_window is off
+    a = spec("qwen2", num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert a.window_layers == (2, 3) and [a.window_of(i) for i in range(4)] == [None, None, 8, 8]
+    a = spec("qwen2_moe", num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=3)
+    assert a.window_layers == (0, 2)
+    assert spec("qwen3_moe", use_sliding_window=True, sliding_window=8).window_layers is None
+    for mt, kw in (("qwen2", dict(max_window_layers=1)), ("qwen3", dict(max_window_layers=2)),
+                   ("qwen2_moe", dict(max_window_layers=3))):
+        a = saved(mt, num_hidden_layers=4, use_sliding_window=True, sliding_window=8, **kw)
+        types = transformers.AutoConfig.for_model(mt, num_hidden_layers=4, use_sliding_window=True,
+                                                  sliding_window=8, **kw).layer_types
+        assert a.window_layers == tuple(i for i, t in enumerate(types) if t == "sliding_attention"), mt
+    # published configs: Qwen2.5-VL names a 32K window but leaves it off; Mixtral's and Qwen3's are null
+    for name in ("Qwen__Qwen2.5-VL-3B-Instruct", "mistralai__Mixtral-8x7B-v0.1", "Qwen__Qwen3-235B-A22B"):
+        assert shared(name)[0].attention.window_of(0) is None, name
+    with pytest.raises(ConfigError, match="sliding_window"):
+        spec("mistral", sliding_window=-3)
+    with pytest.raises(ConfigError, match="layer_types"):
+        spec("qwen2", use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"])

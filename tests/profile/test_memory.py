@@ -33,6 +33,14 @@ def test_sliding_window_caps_kv():
     assert by["1K"] == by["1M"] == 256 * kv_bytes_per_token(spec)
 
 
+def test_sliding_window_on_some_layers_caps_only_those():
+    # qwen2, 4 layers, the window on layers 2 and 3: half the layers hold 256 tokens, half hold them all
+    spec = ModelSpec.from_hf_config(tiny_config("qwen2", num_hidden_layers=4, use_sliding_window=True,
+                                                sliding_window=256, max_window_layers=2))
+    per_layer = kv_bytes_per_token(spec) // 4
+    assert kv_bytes_by_context(spec)["8K"] == 2 * per_layer * 256 + 2 * per_layer * 8192
+
+
 def test_expected_experts():
     assert expected_experts(256, 8, 1) == pytest.approx(8)
     assert expected_experts(256, 8, 10_000) == pytest.approx(256)

@@ -9,7 +9,7 @@ router_logits) is the same in both.
 from dataclasses import dataclass
 from typing import Callable
 
-from . import activation, attention, kv_quant, mla, moe_experts, moe_routing, norm, paged_attention, rope
+from . import activation, attention, kv_quant, kv_write, mla, moe_experts, moe_routing, norm, paged_attention, rope
 
 IMPLS = ("adapt", "reference")
 
@@ -17,7 +17,7 @@ IMPLS = ("adapt", "reference")
 _TWINNED = {
     "varlen_attention": attention,
     "paged_decode_attention": paged_attention,
-    "write_kv_cache": paged_attention,
+    "write_kv_cache": kv_write,
     "mla_prefill": mla,
     "mla_decode": mla,
     "write_mla_cache": mla,

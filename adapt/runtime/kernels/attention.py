@@ -11,6 +11,9 @@ is handled by viewing the G query heads of a kv head as extra query rows of that
 are never repeated. Tiles are upcast to float32 (the accumulation precision of flash kernels).
 Causal masks are bottom-right aligned: with Lq queries over Lk keys, query i sits at key
 position Lk - Lq + i (the usual convention for chunked prefill over a cached prefix).
+A sliding window W (Mistral, Qwen's sliding layers) lets the query at position p see keys
+p - W < j <= p, as transformers' sliding-window mask does; key tiles wholly before a query tile's
+window are skipped, so windowed prefill costs O(L * W), not O(L^2).
 """
 
 import torch
@@ -26,13 +29,17 @@ def varlen_attention(
     cu_seqlens_k: torch.Tensor | None = None,
     q_tile: int = 64,
     k_tile: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [Tq, Hq, D] over k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> out [Tq, Hq, Dv] (q.dtype).
 
     cu_seqlens [B + 1] int: offsets of each sequence's queries in the packed Tq (and of its keys when
     cu_seqlens_k is None, i.e. plain prefill). cu_seqlens_k [B + 1]: key offsets when they differ.
     Hq must be a multiple of Hkv; query head h reads kv head h // G (repeat_interleave order).
+    window: causal sliding window (keys p - window < j <= p), None for none.
     """
+    if window is not None and not causal:
+        raise ValueError("a sliding window needs causal attention")
     tq_total, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     assert hq % hkv == 0, "query heads must be a multiple of kv heads"
@@ -50,24 +57,31 @@ def varlen_attention(
         shift = lk - lq  # key position of query 0
         for qs in range(0, lq, q_tile):
             qe = min(qs + q_tile, lq)
-            _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile)
+            _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile, window)
     return out
 
 
-def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile) -> None:
+def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile, window=None) -> None:
     tq, hkv, d, dv = qe - qs, k.shape[1], q.shape[2], v.shape[2]
     # [tq, Hkv*G, D] -> [Hkv, G*tq, D]; row r = gi * tq + i is query qs + i of head kv*G + gi
     qt = q[q0 + qs : q0 + qe].float().reshape(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tq, d)
     dev = q.device
     qpos = (torch.arange(qs, qe, device=dev) + shift).repeat(g)  # [G*tq] key position of each row
     k_end = min(qe + shift, lk) if causal else lk
-    if k_end <= k_tile:  # every key in one tile: a plain softmax, no running max / sum to carry
-        kt = k[k0 : k0 + k_end].float().permute(1, 2, 0)  # [Hkv, D, tk]
-        vt = v[k0 : k0 + k_end].float().permute(1, 0, 2)  # [Hkv, tk, Dv]
-        if causal and k_end - 1 > qs + shift:  # the causal mask as an additive -inf bias of the GEMM
-            kpos = torch.arange(k_end, device=dev)
-            bias = torch.zeros(g * tq, k_end, device=dev).masked_fill_(kpos[None, :] > qpos[:, None],
-                                                                       float("-inf"))
+    # first key any query of the tile sees (its first query's window start), tile-aligned for the loop
+    k_first = max(0, qs + shift - window + 1) if window else 0
+    if k_end - k_first <= k_tile:  # every key in one tile: a plain softmax, no running max / sum to carry
+        kt = k[k0 + k_first : k0 + k_end].float().permute(1, 2, 0)  # [Hkv, D, tk]
+        vt = v[k0 + k_first : k0 + k_end].float().permute(1, 0, 2)  # [Hkv, tk, Dv]
+        kpos = torch.arange(k_first, k_end, device=dev)
+        hidden = None
+        if causal and k_end - 1 > qs + shift:  # keys after some query of the tile
+            hidden = kpos[None, :] > qpos[:, None]
+        if window and qe - 1 + shift - window >= k_first:  # keys before some query's window
+            early = kpos[None, :] <= qpos[:, None] - window
+            hidden = early if hidden is None else hidden | early
+        if hidden is not None:  # the mask as an additive -inf bias of the GEMM
+            bias = torch.zeros(g * tq, k_end - k_first, device=dev).masked_fill_(hidden, float("-inf"))
             s = torch.baddbmm(bias.expand(hkv, -1, -1), qt, kt, alpha=scale)  # [Hkv, G*tq, tk]
         else:
             s = torch.matmul(qt, kt).mul_(scale)  # [Hkv, G*tq, tk]
@@ -77,7 +91,7 @@ def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_ti
     m = torch.full((hkv, g * tq, 1), float("-inf"), device=dev)  # running max
     l = torch.zeros(hkv, g * tq, 1, device=dev)  # running sum
     acc = torch.zeros(hkv, g * tq, dv, device=dev)  # unnormalized output
-    for ks in range(0, k_end, k_tile):
+    for ks in range(k_first - k_first % k_tile, k_end, k_tile):
         ke = min(ks + k_tile, k_end)
         kt = k[k0 + ks : k0 + ke].float().permute(1, 2, 0)  # [Hkv, D, tk]
         vt = v[k0 + ks : k0 + ke].float().permute(1, 0, 2)  # [Hkv, tk, Dv]
@@ -85,10 +99,15 @@ def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_ti
         if causal and ke - 1 > qs + shift:  # tile crosses the diagonal
             kpos = torch.arange(ks, ke, device=dev)
             s.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
-        # every row sees key 0 in the first tile, so m is finite from then on
+        if window and ks <= qe - 1 + shift - window:  # tile holds keys before some query's window
+            kpos = torch.arange(ks, ke, device=dev)
+            s.masked_fill_(kpos[None, :] <= qpos[:, None] - window, float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        p = torch.exp(s - m_new)  # [Hkv, G*tq, tk]
-        alpha = torch.exp(m - m_new)  # rescales what was accumulated under the old max
+        # without a window every row sees key 0 in the first tile, so m is finite from then on; with one a
+        # row may have seen no key yet (its window starts in a later tile): exponentiate against 0 there
+        m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new) if window else m_new
+        p = torch.exp(s - m_ref)  # [Hkv, G*tq, tk]
+        alpha = torch.exp(m - m_ref)  # rescales what was accumulated under the old max
         l = l * alpha + p.sum(dim=-1, keepdim=True)
         acc = acc * alpha + torch.matmul(p, vt)
         m = m_new
@@ -106,6 +125,7 @@ def varlen_attention_ref(
     cu_seqlens_k: torch.Tensor | None = None,
     q_tile: int = 64,
     k_tile: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Reference twin: per sequence, repeat_interleave K/V to Hq heads and take a full softmax
     (in the inputs' dtype, like transformers' eager attention: softmax in float32 then cast)."""
@@ -123,6 +143,8 @@ def varlen_attention_ref(
         scores = torch.matmul(qi, ki.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
         if causal:
             allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+            if window:
+                allowed = allowed.triu(diagonal=lk - lq - window + 1)
             scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[qb[b] : qb[b + 1]] = torch.matmul(probs, vi).transpose(0, 1)

@@ -1,4 +1,4 @@
-"""Decode attention over a paged KV cache, and the cache write by slot mapping.
+"""Decode attention over a paged KV cache (the cache write by slot mapping is in kv_write.py).
 
 # Legend: B sequences (one query token each), Hq query heads, Hkv kv heads, G = Hq // Hkv,
 # D qk head dim, Dv v head dim, NB cache blocks, BS tokens per block, MAXB block-table width,
@@ -14,13 +14,13 @@ masks positions >= seq_len, and merges chunks with an online softmax (split-K / 
 style), so the gathered K/V never exceed B * n * Hkv * (D + Dv) elements. Blocks are gathered whole
 with index_select along NB (one memcpy per block); when every sequence
 fits in one chunk (the common decode case) the online-softmax bookkeeping is skipped.
+A sliding window W hides keys j < seq_len - W (the new token at seq_len - 1 sees the W latest,
+itself included); chunks before every sequence's window are not read.
 """
 
 from dataclasses import dataclass, field
 
 import torch
-
-from .kv_quant import quantize_int8
 
 from .rows import take_rows as _take_rows
 
@@ -62,6 +62,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     blocks_per_step: int = 16,
     meta: DecodeMeta | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One decode step: q [B, Hq, D] over the paged cache -> out [B, Hq, Dv] (q.dtype).
 
@@ -69,6 +70,7 @@ def paged_decode_attention(
     seq_lens [B] int, ragged, each <= MAXB * BS (a sequence of length 0 yields zeros).
     k_scale / v_scale [NB, BS, Hkv]: give them when the cache is int8 (dequantized per chunk).
     meta: ``decode_meta(block_tables, seq_lens, BS, blocks_per_step)`` of this step, shared by its layers.
+    window: sliding window (the latest ``window`` keys of each sequence), None for all keys.
     """
     b, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
@@ -82,13 +84,13 @@ def paged_decode_attention(
     if num_blocks == 0:
         return q.new_zeros(b, hq, dv)
     if meta.blocks is not None and k_scale is None and v_scale is None and hkv * num_blocks * bs <= _STACKED_MAX:
-        return _stacked_heads(q, k_cache, v_cache, meta, scale)
+        return _stacked_heads(q, k_cache, v_cache, meta, scale, window)
     if meta.blocks is not None:  # one chunk (every decode up to BS * blocks_per_step keys): plain softmax
         n = num_blocks * bs
         kc = _gather_blocks(k_cache, k_scale, meta.blocks, b, n)  # [B, Hkv, n, D]
         vc = _gather_blocks(v_cache, v_scale, meta.blocks, b, n)  # [B, Hkv, n, Dv]
         s = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, n]
-        s.masked_fill_(meta.masked[:, None, None, :], float("-inf"))
+        s.masked_fill_(_masked(meta, bs, window)[:, None, None, :], float("-inf"))
         p = torch.softmax(s, dim=-1)
         out = torch.matmul(p, vc)  # [B, Hkv, G, Dv]
         if meta.any_empty:  # a sequence with no key: softmax over nothing, zeros by contract
@@ -97,7 +99,10 @@ def paged_decode_attention(
     m = torch.full((b, hkv, g, 1), float("-inf"), device=dev)
     l = torch.zeros(b, hkv, g, 1, device=dev)
     acc = torch.zeros(b, hkv, g, dv, device=dev)
-    for c0 in range(0, num_blocks, blocks_per_step):
+    first = 0  # first block any sequence's window reaches
+    if window:
+        first = max(0, int((seq_lens - window).clamp(min=0).min()) // bs)
+    for c0 in range(first, num_blocks, blocks_per_step):
         c1 = min(c0 + blocks_per_step, num_blocks)
         n = (c1 - c0) * bs
         kc = _gather(k_cache, k_scale, block_tables[:, c0:c1], n)  # [B, Hkv, n, D] float32
@@ -105,6 +110,8 @@ def paged_decode_attention(
         s = torch.matmul(qg, kc.transpose(-1, -2)) * scale  # [B, Hkv, G, n]
         pos = torch.arange(c0 * bs, c1 * bs, device=dev)
         masked = pos[None, :] >= seq_lens[:, None]  # [B, n]
+        if window:
+            masked |= pos[None, :] < (seq_lens - window)[:, None]
         s.masked_fill_(masked[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
@@ -122,8 +129,19 @@ def paged_decode_attention(
 _STACKED_MAX = 1024
 
 
+def _masked(meta: DecodeMeta, bs: int, window: int | None) -> torch.Tensor:
+    # [B, num_blocks * BS] True where a key is hidden: past the sequence's end, or before its window
+    if not window:
+        return meta.masked
+    key = ("masked", window)
+    if key not in meta.cache:
+        pos = torch.arange(meta.num_blocks * bs, device=meta.seq_lens.device)
+        meta.cache[key] = meta.masked | (pos[None, :] < (meta.seq_lens - window)[:, None])
+    return meta.cache[key]
+
+
 def _stacked_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMeta,
-                   scale: float) -> torch.Tensor:
+                   scale: float, window: int | None = None) -> torch.Tensor:
     # One chunk with the gathered blocks left in cache order: [B, n * Hkv, D], row j = key j // Hkv of
     # kv head j % Hkv. Each query head scores all n * Hkv rows in one bmm; a per-step additive bias puts
     # -inf on other kv heads' rows and on positions past the sequence, so the softmax over the row is
@@ -137,22 +155,26 @@ def _stacked_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     vc = _take_rows(v_cache, meta.blocks).view(b, rows, dv)
     if kc.dtype != torch.float32:
         kc, vc = kc.float(), vc.float()
-    s = torch.baddbmm(_stacked_bias(meta, hq, hkv, bs), q.float(), kc.transpose(1, 2), alpha=scale)  # [B, Hq, rows]
+    s = torch.baddbmm(_stacked_bias(meta, hq, hkv, bs, window), q.float(), kc.transpose(1, 2),
+                      alpha=scale)  # [B, Hq, rows]
     out = torch.bmm(torch.softmax(s, dim=-1), vc)  # [B, Hq, Dv]
     if meta.any_empty:  # a sequence with no key: softmax over nothing, zeros by contract
         out.masked_fill_((meta.seq_lens == 0)[:, None, None], 0.0)
     return out.to(q.dtype)
 
 
-def _stacked_bias(meta: DecodeMeta, hq: int, hkv: int, bs: int) -> torch.Tensor:
-    # [B, Hq, n * Hkv] float32: 0 where row j is a key of query head h's kv head before seq_len, else -inf
-    key = (hq, hkv)
+def _stacked_bias(meta: DecodeMeta, hq: int, hkv: int, bs: int, window: int | None = None) -> torch.Tensor:
+    # [B, Hq, n * Hkv] float32: 0 where row j is a key of query head h's kv head before seq_len (and in
+    # the window), else -inf
+    key = (hq, hkv, window)
     if key not in meta.cache:
         n = meta.num_blocks * bs
         dev = meta.seq_lens.device
         j = torch.arange(n * hkv, device=dev)
         own = (j[None, :] % hkv) == (torch.arange(hq, device=dev)[:, None] // (hq // hkv))  # [Hq, rows]
         keep = own[None] & ((j // hkv)[None, None, :] < meta.seq_lens[:, None, None])  # [B, Hq, rows]
+        if window:
+            keep &= (j // hkv)[None, None, :] >= (meta.seq_lens - window)[:, None, None]
         meta.cache[key] = torch.zeros(keep.shape, device=dev).masked_fill_(~keep, float("-inf"))
     return meta.cache[key]
 
@@ -175,39 +197,8 @@ def _gather_blocks(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torc
     return torch.empty(b, h, n, d, dtype=torch.float32, device=cache.device).copy_(x.transpose(1, 2))
 
 
-def write_kv_cache(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    checked: bool = False,
-) -> None:
-    """Write k [T, Hkv, D], v [T, Hkv, Dv] into the caches in place at slot_mapping [T] int
-    (slot = block * BS + offset; negative slots, e.g. padding, are skipped). When a cache is int8
-    the rows are quantized per token and head and the scales written to k_scale / v_scale.
-    checked: the caller knows slot_mapping is int64 without negative slots (skips that test per layer)."""
-    slots = slot_mapping.to(torch.long)  # [T]
-    if not checked and bool((slots < 0).any()):  # padding present: drop those rows (decode steps have none)
-        keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
-    _write(k, k_cache, k_scale, slots)
-    _write(v, v_cache, v_scale, slots)
 
 
-def _write(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> None:
-    nb, bs, h, d = cache.shape
-    flat = cache.view(nb * bs, h, d)  # a view: writes land in the cache
-    if cache.dtype == torch.int8:
-        if scale is None:
-            raise ValueError("an int8 cache needs its scale tensor [NB, BS, Hkv]")
-        xq, xs = quantize_int8(x)
-        flat.index_copy_(0, slots, xq)
-        scale.view(nb * bs, h).index_copy_(0, slots, xs.to(scale.dtype))
-    else:
-        flat.index_copy_(0, slots, x.to(cache.dtype))
 
 
 def paged_decode_attention_ref(
@@ -221,6 +212,7 @@ def paged_decode_attention_ref(
     v_scale: torch.Tensor | None = None,
     blocks_per_step: int = 16,
     meta: DecodeMeta | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Reference twin: per sequence, gather contiguous K/V token by token, plain softmax (``meta``,
     the kernel's per-step shortcut, is ignored)."""
@@ -232,7 +224,7 @@ def paged_decode_attention_ref(
         if n == 0:
             continue
         ks, vs = [], []
-        for j in range(n):
+        for j in range(max(0, n - window) if window else 0, n):
             blk, off = int(block_tables[i, j // bs]), j % bs
             kj, vj = k_cache[blk, off], v_cache[blk, off]  # [Hkv, D], [Hkv, Dv]
             if k_scale is not None:
@@ -247,30 +239,3 @@ def paged_decode_attention_ref(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[i] = torch.matmul(probs, vv).squeeze(1)
     return out
-
-
-def write_kv_cache_ref(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    checked: bool = False,
-) -> None:
-    """Reference twin: one token at a time (``checked`` is the kernel's shortcut, ignored)."""
-    bs = k_cache.shape[1]
-    for t in range(k.shape[0]):
-        slot = int(slot_mapping[t])
-        if slot < 0:
-            continue
-        blk, off = slot // bs, slot % bs
-        for x, cache, sc in ((k[t], k_cache, k_scale), (v[t], v_cache, v_scale)):
-            if cache.dtype == torch.int8:
-                amax = x.float().abs().amax(dim=-1)  # [Hkv]
-                s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-                cache[blk, off] = torch.round(x.float() / s[:, None]).clamp(-127, 127).to(torch.int8)
-                sc[blk, off] = s
-            else:
-                cache[blk, off] = x.to(cache.dtype)

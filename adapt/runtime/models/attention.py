@@ -70,6 +70,7 @@ class GQAAttention(nn.Module):
                                         spec.hidden_size, ctx)
         self.q_norm = RMSNorm(n(i, "q_norm"), d, spec.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(n(i, "k_norm"), d, spec.rms_norm_eps) if a.qk_norm else None
+        self.window = a.window_of(i)  # sliding window of this layer, None for full attention
         self.rotary: Rotary | None = None  # set by the model (shared by every layer)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
@@ -93,10 +94,11 @@ class GQAAttention(nn.Module):
                               checked=batch.slots_checked())
         if batch.is_prefill:
             qt, kt = batch.attn_tiles
-            o = k_.varlen_attention(q, k, v, batch.cu_seqlens, self.scale, True, None, qt, kt)
+            o = k_.varlen_attention(q, k, v, batch.cu_seqlens, self.scale, True, None, qt, kt, self.window)
         else:
             o = k_.paged_decode_attention(q, cache.k, cache.v, batch.block_tables, batch.seq_lens, self.scale,
-                                          cache.k_scale, cache.v_scale, meta=batch.decode_meta(cache.k.shape[1]))
+                                          cache.k_scale, cache.v_scale, meta=batch.decode_meta(cache.k.shape[1]),
+                                          window=self.window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

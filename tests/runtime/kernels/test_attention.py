@@ -109,3 +109,34 @@ def test_non_contiguous_inputs():
     q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
     out = varlen_attention(q, k, v, _cu(lens), 0.3, q_tile=TILE, k_tile=TILE)
     assert_fp32_close(out, varlen_attention_ref(q.contiguous(), k.contiguous(), v.contiguous(), _cu(lens), 0.3))
+
+
+@pytest.mark.parametrize("window", [1, 5, TILE, TILE + 3, 100])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (3, 1)])
+def test_varlen_sliding_window_matches_twin(window, hq, hkv):
+    # query p sees keys p - window < j <= p; windows inside one tile, at and across tile edges, and one
+    # longer than every sequence (then it is plain causal attention)
+    q, k, v = _qkv(LENS, hq, hkv, 16, 16, seed=3)
+    scale = 16**-0.5
+    out = varlen_attention(q, k, v, _cu(LENS), scale, True, q_tile=TILE, k_tile=TILE, window=window)
+    ref = varlen_attention_ref(q, k, v, _cu(LENS), scale, True, window=window)
+    assert_fp32_close(out, ref, f"window={window}")
+    full = varlen_attention_ref(q, k, v, _cu(LENS), scale, True)
+    if window >= max(LENS):
+        assert_fp32_close(out, full)
+    else:
+        assert not torch.allclose(out, full)
+
+
+def test_varlen_sliding_window_twin_is_causal_attention_over_the_window():
+    # the twin's windowed row p equals plain attention of that query over keys (p - W, p]
+    lens, w = [13], 4
+    q, k, v = _qkv(lens, 2, 1, 8, 8, seed=4)
+    out = varlen_attention_ref(q, k, v, _cu(lens), 0.5, True, window=w)
+    for p in range(13):
+        lo = max(0, p - w + 1)
+        one = varlen_attention_ref(q[p:p + 1], k[lo:p + 1], v[lo:p + 1], _cu([1]), 0.5, True,
+                                   cu_seqlens_k=_cu([p + 1 - lo]))
+        assert_fp32_close(out[p], one[0])
+    with pytest.raises(ValueError, match="causal"):
+        varlen_attention(q, k, v, _cu(lens), 0.5, False, window=w)

@@ -1,12 +1,8 @@
 import pytest
 import torch
 
-from adapt.runtime.kernels.paged_attention import (
-    paged_decode_attention,
-    paged_decode_attention_ref,
-    write_kv_cache,
-    write_kv_cache_ref,
-)
+from adapt.runtime.kernels.kv_write import write_kv_cache, write_kv_cache_ref
+from adapt.runtime.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 
 from ._tol import assert_fp32_close, assert_lowp_close
 
@@ -135,3 +131,29 @@ def test_single_chunk_paths_match_twin(hq, hkv, stacked_max, monkeypatch):
     out = paged_decode_attention(q, kc, vc, tables, t, 0.25)  # default blocks_per_step: one chunk
     assert_fp32_close(out, paged_decode_attention_ref(q, kc, vc, tables, t, 0.25), f"hq={hq} hkv={hkv}")
     assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("window", [1, 3, BS, 9, 1000])
+@pytest.mark.parametrize("path", ["stacked", "per_head", "chunked", "int8_chunked"])
+def test_paged_decode_sliding_window_matches_twin(window, path, monkeypatch):
+    # the new token (position seq_len - 1) sees the latest `window` keys, on every path of the kernel
+    from adapt.runtime.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_STACKED_MAX", 1 << 20 if path == "stacked" else 0)
+    cache_dtype = torch.int8 if path.startswith("int8") else torch.float32
+    q, k, v, kc, vc, (ks, vs), tables, slots = _setup(LENS, 8, 2, 16, 8, cache_dtype, seed=5)
+    write_kv_cache(k, v, kc, vc, slots, ks, vs)
+    lens = torch.tensor(LENS)
+    step = STEP if path.endswith("chunked") else 16
+    out = paged_decode_attention(q, kc, vc, tables, lens, 0.25, ks, vs, blocks_per_step=step, window=window)
+    ref = paged_decode_attention_ref(q, kc, vc, tables, lens, 0.25, ks, vs, window=window)
+    assert_fp32_close(out, ref, f"{path} window={window}")
+    if cache_dtype == torch.float32:  # the twin: plain attention over each sequence's last `window` keys
+        start = 0
+        for i, n in enumerate(LENS):
+            lo = start + max(0, n - window)
+            kk = k[lo:start + n].repeat_interleave(4, dim=1).transpose(0, 1)  # [Hq, w, D]
+            vv = v[lo:start + n].repeat_interleave(4, dim=1).transpose(0, 1)
+            p = torch.softmax(torch.matmul(q[i][:, None], kk.transpose(1, 2)) * 0.25, dim=-1)
+            assert_fp32_close(ref[i], torch.matmul(p, vv)[:, 0])
+            start += n

@@ -4,6 +4,8 @@ Acceptance (issue 5): greedy generation of 32 tokens from several prompts equals
 generate(do_sample=False) token for token, and prefill logits differ by at most 1e-4.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -17,8 +19,13 @@ PROMPTS = [[1, 5, 9], [1, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110], [7], [1, 20
 
 
 def _hf_greedy(hf, prompt, n):
+    # the EOS id set to one the model cannot emit, so that EOS is an ordinary token as under ignore_eos:
+    # min_new_tokens would instead ban EOS, and greedy picks another token where EOS is the argmax
+    gc = copy.deepcopy(hf.generation_config)
+    gc.eos_token_id = hf.config.vocab_size
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = hf.generate(torch.tensor([prompt]), generation_config=gc, max_new_tokens=n, do_sample=False)
+    assert out.shape[1] == len(prompt) + n
     return out[0, len(prompt):].tolist()
 
 
