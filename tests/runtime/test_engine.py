@@ -169,6 +169,15 @@ def test_prepacked_bf16_linears_change_nothing(which, request):
         Engine.from_pretrained(path, kv_cache_memory="16MiB", prepack="yes")
 
 
+def test_float16_runs_where_onednn_cannot_pack_it(llama):
+    # float16 packs only on CPUs with FP16 support; elsewhere its linears stay on F.linear
+    from adapt.runtime.kernels.moe_experts import onednn_packs
+
+    eng = Engine.from_pretrained(llama, dtype="float16", kv_cache_memory="16MiB")
+    assert any(p.is_mkldnn for p in eng.model.parameters()) == onednn_packs(torch.float16)
+    assert len(eng.generate([[1, 5, 9]], GREEDY)[0].token_ids) == GREEDY.max_tokens
+
+
 @pytest.mark.parametrize("which", ["k2", "llama"])
 def test_prepacked_fp32_linears_stay_within_fp32_tolerance(which, request):
     # float32 packs by default (another summation order); 'exact' keeps it on F.linear, bitwise
@@ -189,3 +198,7 @@ def test_prepacked_fp32_linears_stay_within_fp32_tolerance(which, request):
     prompts = _ragged(4)
     assert [r.token_ids for r in packed.generate(prompts, GREEDY)] == \
         [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    moes = [m for m in packed.model.modules() if hasattr(m, "pack_experts")]
+    assert all(m.packed is not None and m.w_gate_up is None for m in moes)  # float32 experts packed too
+    assert not any(m.packed is not None for m in exact.model.modules() if hasattr(m, "pack_experts"))
+    assert (which == "k2") == bool(moes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from adapt.validate.checklist import Skip
 from adapt.validate.checks.layers import locate_first_divergence
@@ -44,6 +45,18 @@ def test_operator_alignment_every_kernel(tiny, dtype):
         assert out.metrics["max_abs"] <= 1e-5  # [twin]
     else:
         assert out.metrics["max_abs_vs_torch_ratio"] <= 2.0  # [fa2x]
+
+
+def test_operator_alignment_float16_reports_what_this_cpu_cannot_pack(tiny):
+    # float16 oneDNN packing needs AVX512-FP16 / AVX-NE-CONVERT; without them the packed MoE kernel is
+    # reported as not runnable here, and every other kernel is still checked
+    from adapt.runtime.kernels.moe_experts import onednn_packs
+
+    out = operator_alignment({"kernels": "all"}, {}, _ctx(tiny, "float16"))
+    unsupported = 0 if onednn_packs(torch.float16) else 1
+    assert out.metrics["kernels_unsupported_here"] == unsupported
+    assert ("moe_experts_packed" in out.message) == bool(unsupported)
+    assert out.metrics["max_abs_vs_torch_ratio"] <= 2.0
 
 
 def test_long_context_ladder_runs_what_fits_and_says_why_not(tiny):

@@ -47,10 +47,8 @@ def install(model: torch.nn.Module, ctx: DistributedContext) -> int:
 
 
 def _experts(self, k, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts this rank holds on x: the fused gate_up kernel where the model has it."""
-    if hasattr(self, "w_gate_up") and hasattr(k, "moe_experts_fused"):
-        return k.moe_experts_fused(x, weights, ids, self.w_gate_up, self.w_down, self.expert_offset)
-    return k.moe_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down, self.expert_offset)
+    """The routed experts this rank holds on x (the model's own choice of kernel)."""
+    return self.run_experts(k, x, weights, ids)
 
 
 def _shared_partial(self, x: torch.Tensor, k) -> torch.Tensor | None:
@@ -100,7 +98,7 @@ def ep_idle(self, kernels, dtype: torch.dtype, device: torch.device) -> None:
     """This MoE layer's share of a step for a dp replica with no tokens: send nothing, but receive the
     other replicas' rows for the experts this rank holds, compute them and send them back (the stage's
     all-to-alls must match on every rank)."""
-    n, h = self.ctx.group_size("stage"), self.w_down.shape[1]
+    n, h = self.ctx.group_size("stage"), self.hidden_size
     _exchange(self, torch.empty(0, h, dtype=dtype, device=device), torch.empty(0, dtype=torch.long, device=device),
               [0] * n, kernels)
 

@@ -29,6 +29,7 @@ _TWINNED = {
     "sigmoid_grouped_topk": moe_routing,
     "moe_experts": moe_experts,
     "moe_experts_fused": moe_experts,
+    "moe_experts_packed": moe_experts,
     "quantize_int8": kv_quant,
     "dequantize_int8": kv_quant,
     "silu_and_mul": activation,
@@ -60,6 +61,7 @@ class Kernels:
     sigmoid_grouped_topk: Callable
     moe_experts: Callable
     moe_experts_fused: Callable
+    moe_experts_packed: Callable
     quantize_int8: Callable
     dequantize_int8: Callable
     silu_and_mul: Callable

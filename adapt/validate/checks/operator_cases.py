@@ -18,6 +18,10 @@ from typing import Any
 import torch
 
 
+class UnsupportedCase(Exception):
+    """A kernel this device cannot run in the asked dtype (it is reported, never passed)."""
+
+
 @dataclass(frozen=True)
 class Case:
     make: Callable[[torch.dtype], tuple[list[Any], dict[str, Any]]]
@@ -42,14 +46,21 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
 
 
 def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh: tuple[int, ...] = (),
-          keep_fp32: tuple[int, ...] = ()) -> Case:
-    """``fresh``: positions cloned per call (caches written in place); ``keep_fp32``: never cast."""
+          keep_fp32: tuple[int, ...] = (), pack: tuple[int, ...] = ()) -> Case:
+    """``fresh``: positions cloned per call (caches written in place); ``keep_fp32``: never cast;
+    ``pack``: stacked expert weights [E, N, K], packed per expert for oneDNN after the cast."""
     kwargs = kwargs or {}
 
     def make(dtype: torch.dtype):
         a = []
         for i, x in enumerate(args):
             y = x if i in keep_fp32 else _cast(x, dtype)
+            if i in pack:
+                from adapt.runtime.kernels.moe_experts import onednn_packs, pack_expert_weights
+
+                if not onednn_packs(y.dtype):
+                    raise UnsupportedCase(f"this CPU does not pack {str(y.dtype).replace('torch.', '')} for oneDNN")
+                y = pack_expert_weights(y)
             a.append(y.clone() if i in fresh else y)
         return a, dict(kwargs)
 
@@ -103,6 +114,9 @@ def build_cases(seed: int = 0) -> dict[str, Case]:
         "moe_experts_fused": _case([rn(t, 32), torch.rand(t, k, generator=g),
                                     torch.randint(0, e, (t, k), generator=g), rn(e, 2 * inter, 32, scale=0.2),
                                     rn(e, 32, inter, scale=0.2)], keep_fp32=(1,)),
+        "moe_experts_packed": _case([rn(t, 32), torch.rand(t, k, generator=g),
+                                     torch.randint(0, e, (t, k), generator=g), rn(e, 2 * inter, 32, scale=0.2),
+                                     rn(e, 32, inter, scale=0.2)], keep_fp32=(1,), pack=(3, 4)),
         "quantize_int8": _case([xq]),
         "dequantize_int8": _case([q8, s8], keep_fp32=(1,)),
         "silu_and_mul": _case([rn(t, 2 * inter)]),

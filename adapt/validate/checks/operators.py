@@ -39,7 +39,7 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
         from adapt.runtime.kernels import get_kernels
     except ImportError as e:
         raise Skip(f"adapt.runtime.kernels is not available ({e})") from None
-    from adapt.validate.checks.operator_cases import build_cases
+    from adapt.validate.checks.operator_cases import UnsupportedCase, build_cases
 
     dtype = _DT.get(ctx.dtype)
     if dtype is None:
@@ -54,11 +54,17 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
     cos: dict[str, float] = {}
     ratio: dict[str, float] = {}
     missing = [n for n in names if n not in cases]
+    unsupported: list[str] = []
     for n in names:
         if n not in cases:
             continue
         ref32 = _run(getattr(twin, n), cases[n], torch.float32)
-        per[n], cos[n] = _err(_run(getattr(ker, n), cases[n], dtype), ref32)
+        try:
+            out = _run(getattr(ker, n), cases[n], dtype)
+        except UnsupportedCase:
+            unsupported.append(n)
+            continue
+        per[n], cos[n] = _err(out, ref32)
         if dtype != torch.float32:
             plain, _ = _err(_run(getattr(twin, n), cases[n], dtype), ref32)
             floor = torch.finfo(dtype).eps * max(float(r.abs().max()) for r in ref32 if r.numel())
@@ -67,11 +73,14 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
         raise Skip("no kernel has an operator case")
     worst = max(per, key=per.get)
     m: dict[str, Any] = {"max_abs": per[worst], "cosine": min(cos.values()), "kernels": len(per),
-                         "kernels_without_case": len(missing), "worst_kernel": worst,
+                         "kernels_without_case": len(missing), "kernels_unsupported_here": len(unsupported),
+                         "worst_kernel": worst,
                          **{f"{n}.max_abs": v for n, v in per.items()}}
     if ratio:
         m["max_abs_vs_torch_ratio"] = max(ratio.values())
     msg = f"{len(per)} kernels vs twin; worst {worst} max_abs {per[worst]:.3g}"
     if missing:
         msg += f"; no case for {', '.join(missing)}"
+    if unsupported:
+        msg += f"; not runnable on this device in {ctx.dtype}: {', '.join(unsupported)}"
     return Outcome(m, message=msg)

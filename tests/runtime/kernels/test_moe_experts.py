@@ -199,3 +199,37 @@ def test_padded_path_declines_when_padding_wastes_too_much():
     counts = torch.bincount(local, minlength=e + 1).tolist()
     assert me._padded_experts(x, torch.ones_like(ids, dtype=torch.float32), order // 1, order, local, counts,
                               wgu, wd) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        _random_ids(list(range(E)), seed=8),
+        _random_ids([1, 4], seed=8),  # idle experts
+        torch.cat([torch.full((T, 1), 3), torch.full((T, 1), 5)], dim=1),  # every first choice on expert 3
+    ],
+    ids=["random", "idle_experts", "one_expert"],
+)
+def test_packed_matches_twins(ids, dtype):
+    from adapt.runtime.kernels.moe_experts import moe_experts_packed, onednn_packs, pack_expert_weights
+
+    if not onednn_packs(dtype):
+        pytest.skip(f"this CPU does not pack {dtype} for oneDNN")
+    x, ws = _x(8), _weights(seed=8)
+    weights, ids = _routing(ids, seed=8)
+    wgu, wd = _fused(ws)
+    pg, pd = pack_expert_weights(wgu.to(dtype)), pack_expert_weights(wd.to(dtype))
+    assert all(p.is_mkldnn for p in pg + pd) and torch.equal(pg[2].to_dense(), wgu[2].to(dtype))
+    out = moe_experts_packed(x.to(dtype), weights.to(dtype), ids, pg, pd)
+    assert out.shape == (T, HID) and out.dtype == dtype
+    ref = moe_experts_ref(x, weights, ids, *ws)
+    if dtype == torch.float32:
+        assert_fp32_close(out, ref)
+    else:
+        lowp = moe_experts_fused_ref(x.to(dtype), weights.to(dtype), ids, wgu.to(dtype), wd.to(dtype))
+        assert_lowp_close(out, lowp, ref)
+    # expert parallelism: ranks holding contiguous slices sum to the full output; a rank with none is 0
+    parts = [moe_experts_packed(x, weights, ids, pack_expert_weights(wgu[a:b]), pack_expert_weights(wd[a:b]), a)
+             for a, b in [(0, 2), (2, 5), (5, 6)]]
+    assert_fp32_close(sum(parts), moe_experts_ref(x, weights, ids, *ws))
