@@ -47,6 +47,7 @@ def varlen_attention(
     out = q.new_empty(tq_total, hq, dv)  # [Tq, Hq, Dv]
     qb = cu_seqlens.tolist()
     kb = qb if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    biases: dict = {}  # the single-tile mask bias by its shape relative to the tile: equal across sequences
     for b in range(len(qb) - 1):
         q0, lq = qb[b], qb[b + 1] - qb[b]
         k0, lk = kb[b], kb[b + 1] - kb[b]
@@ -57,11 +58,12 @@ def varlen_attention(
         shift = lk - lq  # key position of query 0
         for qs in range(0, lq, q_tile):
             qe = min(qs + q_tile, lq)
-            _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile, window)
+            _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile, window, biases)
     return out
 
 
-def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile, window=None) -> None:
+def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile, window=None,
+                 biases=None) -> None:
     tq, hkv, d, dv = qe - qs, k.shape[1], q.shape[2], v.shape[2]
     # [tq, Hkv*G, D] -> [Hkv, G*tq, D]; row r = gi * tq + i is query qs + i of head kv*G + gi
     qt = q[q0 + qs : q0 + qe].float().reshape(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tq, d)
@@ -73,15 +75,20 @@ def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_ti
     if k_end - k_first <= k_tile:  # every key in one tile: a plain softmax, no running max / sum to carry
         kt = k[k0 + k_first : k0 + k_end].float().permute(1, 2, 0)  # [Hkv, D, tk]
         vt = v[k0 + k_first : k0 + k_end].float().permute(1, 0, 2)  # [Hkv, tk, Dv]
-        kpos = torch.arange(k_first, k_end, device=dev)
-        hidden = None
-        if causal and k_end - 1 > qs + shift:  # keys after some query of the tile
-            hidden = kpos[None, :] > qpos[:, None]
-        if window and qe - 1 + shift - window >= k_first:  # keys before some query's window
-            early = kpos[None, :] <= qpos[:, None] - window
-            hidden = early if hidden is None else hidden | early
-        if hidden is not None:  # the mask as an additive -inf bias of the GEMM
-            bias = torch.zeros(g * tq, k_end - k_first, device=dev).masked_fill_(hidden, float("-inf"))
+        later = causal and k_end - 1 > qs + shift  # keys after some query of the tile
+        early = bool(window) and qe - 1 + shift - window >= k_first  # keys before some query's window
+        if later or early:  # the mask as an additive -inf bias of the GEMM
+            key = (tq, k_first - qs - shift, k_end - qs - shift, g, later, early)
+            bias = biases.get(key) if biases is not None else None
+            if bias is None:
+                kpos = torch.arange(k_first, k_end, device=dev)
+                hidden = kpos[None, :] > qpos[:, None] if later else None
+                if early:
+                    before = kpos[None, :] <= qpos[:, None] - window
+                    hidden = before if hidden is None else hidden | before
+                bias = torch.zeros(g * tq, k_end - k_first, device=dev).masked_fill_(hidden, float("-inf"))
+                if biases is not None:
+                    biases[key] = bias
             s = torch.baddbmm(bias.expand(hkv, -1, -1), qt, kt, alpha=scale)  # [Hkv, G*tq, tk]
         else:
             s = torch.matmul(qt, kt).mul_(scale)  # [Hkv, G*tq, tk]
