@@ -114,7 +114,10 @@ class Engine:
                  path: Path | None = None):
         self.model, self.spec, self.ctx, self.kernels = model, spec, ctx, kernels
         self.device, self.dtype, self.pool, self.tokenizer = device, dtype, pool, tokenizer
-        self.block_manager = BlockManager(pool.num_blocks, block_size)
+        # every layer windowed (Mistral v0.1): blocks that left the window go back to the pool
+        windows = {spec.attention.window_of(i) for i in range(spec.num_layers)}
+        window = windows.pop() if len(windows) == 1 else None
+        self.block_manager = BlockManager(pool.num_blocks, block_size, window=window)
         self.runner = ModelRunner(model, kernels, device, pool)
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens

@@ -127,3 +127,24 @@ def test_no_torch_import() -> None:
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any(name.split(".")[0] == "torch" for name in names)
+
+
+def test_window_returns_blocks_that_left_it():
+    # W = 5, BS = 4: once token n has its slot, blocks wholly before n + 1 - 5 go back to the pool
+    bm = BlockManager(8, 4, window=5)
+    bm.allocate(0, 6)  # positions 0..5, blocks 2
+    assert bm.block_table(0)[0] >= 0
+    bm.append_slot(0)  # position 6 sees 2..6: block 0 (0..3) still needed
+    assert bm.block_table(0)[0] >= 0 and bm.num_free_blocks == 6
+    for _ in range(2):
+        bm.append_slot(0)  # positions 7, 8: position 8 sees 4..8, block 0 is gone
+    table = bm.block_table(0)
+    assert table[0] == -1 and bm.num_free_blocks == 6 and bm.usage().used_blocks == 2
+    for _ in range(40):  # a long sequence holds at most ceil(W / BS) + 1 blocks
+        bm.append_slot(0)
+        assert sum(b >= 0 for b in bm.block_table(0)) <= 3
+    assert bm.num_tokens(0) == 49 and bm.usage().used_tokens <= 12
+    bm.free(0)
+    assert bm.num_free_blocks == 8 and bm.usage().used_tokens == 0
+    with pytest.raises(RuntimeConfigError, match="window"):
+        BlockManager(8, 4, window=0)

@@ -7,6 +7,14 @@ A sequence's *block table* lists its blocks in token order, so token position ``
 
 Invariants (checked by the tests): a block is owned by at most one sequence; every block is either free
 or in exactly one table; ``free`` returns all of a sequence's blocks to the pool.
+
+With a sliding ``window`` W (a model whose every layer attends to the W latest tokens only), the token at
+position n sees keys n - W < j <= n, so once its slot is reserved every block wholly before n + 1 - W is
+never read again: ``append_slot`` returns those blocks to the pool and marks them -1 in the table (the
+attention kernels mask those positions and clamp the ids). A decoding sequence then holds at most
+ceil(W / BS) + 1 blocks, whatever its length, so more sequences share the pool; a prefill (and the
+recompute of a preempted sequence) still takes blocks for all of its tokens, which is why the
+scheduler's admission bound stays prompt + max_tokens.
 """
 
 from __future__ import annotations
@@ -41,13 +49,17 @@ class CacheUsage:
 class BlockManager:
     """Allocates fixed-size cache blocks to sequences and maps token positions to pool slots."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, window: int | None = None) -> None:
         if num_blocks < 1:
             raise RuntimeConfigError(f"KV cache needs at least 1 block, got num_blocks={num_blocks}")
         if block_size < 1:
             raise RuntimeConfigError(f"block_size must be >= 1, got {block_size}")
+        if window is not None and window < 1:
+            raise RuntimeConfigError(f"window must be >= 1, got {window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window
+        self._released: dict[int, int] = {}  # leading blocks of a sequence returned under the window
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}  # tokens with a slot (cached or about to be written)
@@ -99,7 +111,7 @@ class BlockManager:
         return CacheUsage(
             used_blocks=self.num_blocks - len(self._free),
             total_blocks=self.num_blocks,
-            used_tokens=sum(self._num_tokens.values()),
+            used_tokens=sum(self._num_tokens.values()) - self.block_size * sum(self._released.values()),
             capacity_tokens=self.num_blocks * self.block_size,
         )
 
@@ -120,6 +132,7 @@ class BlockManager:
         table = [self._free.popleft() for _ in range(need)]
         self._tables[seq_id] = table
         self._num_tokens[seq_id] = n_tokens
+        self._released[seq_id] = 0
         return list(table)
 
     def append_slot(self, seq_id: int) -> int:
@@ -132,15 +145,23 @@ class BlockManager:
                 )
             table.append(self._free.popleft())
         self._num_tokens[seq_id] = n + 1
-        return table[n // self.block_size] * self.block_size + n % self.block_size
+        slot = table[n // self.block_size] * self.block_size + n % self.block_size
+        if self.window is not None:  # blocks wholly before n + 1 - W: no later query reads them
+            done, gone = self._released[seq_id], max(0, n + 1 - self.window) // self.block_size
+            for j in range(done, gone):
+                self._free.append(table[j])
+                table[j] = -1
+            self._released[seq_id] = max(done, gone)
+        return slot
 
     def free(self, seq_id: int) -> None:
         """Return all of the sequence's blocks to the pool and forget it."""
         table = self._table_of(seq_id)
         # Most recently used blocks go back last, so the oldest free blocks are reused first.
-        self._free.extend(table)
+        self._free.extend(b for b in table if b >= 0)
         del self._tables[seq_id]
         del self._num_tokens[seq_id]
+        del self._released[seq_id]
 
     # -- helpers ---------------------------------------------------------------------------------------
 

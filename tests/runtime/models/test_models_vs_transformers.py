@@ -79,3 +79,34 @@ def test_reference_kernels_agree(tiny_dir, name):
     assert (a.prefill_logits(ids) - b.prefill_logits(ids)).abs().max() < 1e-5
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     assert [r.token_ids for r in a.generate([ids, ids[:2]], p)] == [r.token_ids for r in b.generate([ids, ids[:2]], p)]
+
+
+def test_sliding_window_model_returns_blocks_and_still_matches(tiny_dir):
+    # every layer windowed (W = 5): with 4-token blocks each sequence holds at most 3 blocks however long
+    # it grows, and the tokens still equal transformers'
+    hf, path = tiny_dir("mistral_window5")
+    eng = Engine.from_pretrained(path, kv_cache_memory="8MiB", block_size=4)
+    assert eng.block_manager.window == 5
+    res = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for p, r in zip(PROMPTS, res):
+        assert r.token_ids == _hf_greedy(hf, p, 32), f"prompt {p}"
+    # peak: the prefill holds whole prompts (11 tokens: 3 blocks), decode at most 3 blocks per sequence
+    assert eng.last_stats["kv_cache"]["blocks_peak_used"] <= 3 * len(PROMPTS)
+    assert eng.block_manager.usage().used_blocks == 0
+    full = Engine.from_pretrained(tiny_dir("mistral")[1], kv_cache_memory="8MiB", block_size=4)
+    assert full.block_manager.window is None
+
+
+def test_sliding_window_preemption_keeps_tokens(tiny_dir):
+    # a pool too small for every sequence at once: preempted sequences (tables with released -1 entries)
+    # are freed and recomputed, and the tokens do not change
+    _, path = tiny_dir("mistral_window5")
+    full = Engine.from_pretrained(path, kv_cache_memory="8MiB", block_size=4)
+    per_block = full.pool.bytes_per_token * 4
+    # each request alone fits (a preempted one is recomputed with one prefill of all its tokens: 9 blocks)
+    small = Engine.from_pretrained(path, kv_cache_memory=str(per_block * 9), block_size=4)
+    prompts = [[1, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110], [1, 200, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5],
+               [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [r.token_ids for r in small.generate(prompts, p)] == [r.token_ids for r in full.generate(prompts, p)]
+    assert small.last_stats["preemptions"] > 0 and small.block_manager.usage().used_blocks == 0
