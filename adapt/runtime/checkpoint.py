@@ -53,7 +53,7 @@ def open_model(model: str | Path, ctx: ParallelContext) -> OpenedModel:
     if spec.vision is not None:
         raise CheckpointError(f"{spec.model_type}: adapt run serves the text families only")
     reader = reader if reader is not None else SafetensorsReader.from_dir(path)
-    tok_dir = path if (path / "tokenizer.json").is_file() else None
+    tok_dir = path if any((path / f).is_file() for f in ("tokenizer.json", "tiktoken.model")) else None
     tokenizer = None
     if tok_dir is not None:
         from adapt.runtime.tokenizer import Tokenizer

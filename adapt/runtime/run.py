@@ -33,12 +33,12 @@ def run_generation(model: str | Path, prompts: list[str] | None = None, prompt_i
     if prompts:
         tok = eng.tokenizer
         if tok is None:
-            raise RuntimeConfigError(f"{eng.path} has no tokenizer.json: pass --prompt-ids instead of --prompt")
+            raise RuntimeConfigError(f"{eng.path} has no tokenizer (tokenizer.json or tiktoken.model): pass --prompt-ids instead of --prompt")
         for p in prompts:
             ids.append(tok.encode_chat([{"role": "user", "content": p}]) if chat else tok.encode(p))
     ids.extend(prompt_ids or [])
     if stop and eng.tokenizer is None:
-        raise RuntimeConfigError("--stop needs a tokenizer (the checkpoint has no tokenizer.json)")
+        raise RuntimeConfigError("--stop needs a tokenizer (the checkpoint has neither tokenizer.json nor tiktoken.model)")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
                             stop=tuple(stop or ()), ignore_eos=ignore_eos)
     results = eng.generate(ids, params)

@@ -1,6 +1,7 @@
 """Text in and out of the runtime: a checkpoint's tokenizer.json, its special tokens and chat template.
 
-``Tokenizer.from_dir`` reads ``tokenizer.json`` with the ``tokenizers`` library, the special tokens and
+``Tokenizer.from_dir`` reads ``tokenizer.json`` with the ``tokenizers`` library (or, without one, a
+tiktoken BPE file such as Kimi-K2's, rebuilt as the same byte-level BPE by ``tiktoken_bpe``), the special tokens and
 ``chat_template`` from ``tokenizer_config.json`` (a ``chat_template.jinja`` file takes priority, as in
 transformers). Chat templates are untrusted code from the checkpoint, so they render in jinja2's
 immutable sandbox with the helpers transformers gives them (``raise_exception``, ``tojson``,
@@ -55,15 +56,20 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load ``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja`` from ``path``."""
+        from adapt.runtime.tiktoken_bpe import build_tokenizer, find_tiktoken
+
         root = Path(path)
         file = root / "tokenizer.json"
-        if not file.is_file():
-            raise CheckpointError(f"{root} has no tokenizer.json (adapt reads only the fast-tokenizer format)")
-        try:
-            backend = _Backend.from_file(str(file))
-        except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
-            raise CheckpointError(f"cannot read {file}: {e}") from None
         config = _read_json(root / "tokenizer_config.json")
+        if file.is_file():
+            try:
+                backend = _Backend.from_file(str(file))
+            except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
+                raise CheckpointError(f"cannot read {file}: {e}") from None
+        elif find_tiktoken(root) is not None:  # Kimi-K2: tiktoken BPE + its pattern in tokenization_*.py
+            backend = build_tokenizer(root, config)
+        else:
+            raise CheckpointError(f"{root} has no tokenizer.json or tiktoken.model")
         special = _read_json(root / "special_tokens_map.json")
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]

@@ -342,4 +342,8 @@ def _copy_side_files(src: Path, out: Path, cfg: dict, dtype: str) -> list[dict]:
         if p.is_file() and not p.is_symlink() or (p.is_symlink() and p.resolve().is_file()):
             size, sha = write_bytes(out / name, p.read_bytes())
             entries.append(dict(path=name, size=size, sha256=sha))
+    for p in sorted(src.glob("tokenization*.py")):  # a tiktoken tokenizer's pattern lives there (Kimi-K2)
+        if p.is_file():
+            size, sha = write_bytes(out / p.name, p.read_bytes())
+            entries.append(dict(path=p.name, size=size, sha256=sha))
     return entries

@@ -163,7 +163,7 @@ def _prompts(v: Any, tokenizer) -> list[list[int]]:
     for p in items:
         if isinstance(p, str):
             if tokenizer is None:
-                raise bad_request("the model has no tokenizer.json: send 'prompt' as token ids", "prompt")
+                raise bad_request("the model has no tokenizer (tokenizer.json or tiktoken.model): send 'prompt' as token ids", "prompt")
             ids = tokenizer.encode(p)
         elif all(_is_int(t) for t in p):
             ids = list(p)
@@ -221,7 +221,7 @@ def parse_chat(body: dict, tokenizer) -> GenRequest:
         raise bad_request("'messages' is required", "messages", "missing_field")
     messages = _messages(body["messages"])
     if tokenizer is None:
-        raise bad_request("the model has no tokenizer.json, so no chat template: use /v1/completions with token ids",
+        raise bad_request("the model has no tokenizer, so no chat template: use /v1/completions with token ids",
                           "messages")
     try:
         ids = tokenizer.encode_chat(messages)
