@@ -134,7 +134,7 @@ def test_single_chunk_paths_match_twin(hq, hkv, stacked_max, monkeypatch):
 
 
 @pytest.mark.parametrize("window", [1, 3, BS, 9, 1000])
-@pytest.mark.parametrize("path", ["stacked", "per_head", "chunked", "int8_chunked"])
+@pytest.mark.parametrize("path", ["stacked", "per_head", "chunked", "int8_single", "int8_chunked"])
 def test_paged_decode_sliding_window_matches_twin(window, path, monkeypatch):
     # the new token (position seq_len - 1) sees the latest `window` keys, on every path of the kernel
     from adapt.runtime.kernels import paged_attention as pa
