@@ -95,14 +95,14 @@ class MoE(nn.Module):
             return nn.ParameterList([nn.Parameter(p, requires_grad=False) for p in pack_expert_weights(t.detach())])
 
         self.packed = (plist(w), plist(self.w_down))
+        self._packed_lists = (list(self.packed[0]), list(self.packed[1]))  # what the kernel takes, built once
         self.w_gate_up = self.w_down = None
         return 2 * len(self.experts)
 
     def run_experts(self, k, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts this rank holds on x [T, H] (weights [T, K], global ids [T, K])."""
         if self.packed is not None:
-            return k.moe_experts_packed(x, weights, ids, list(self.packed[0]), list(self.packed[1]),
-                                        self.expert_offset)
+            return k.moe_experts_packed(x, weights, ids, *self._packed_lists, self.expert_offset)
         return k.moe_experts_fused(x, weights, ids, self.w_gate_up, self.w_down, self.expert_offset)
 
     def route(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
