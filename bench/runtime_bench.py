@@ -3,7 +3,8 @@
 Prints one JSON document, per dtype (float32 and bfloat16 by default, both on the same weights): for a
 dense llama-like model and a MoE model (32 experts), decode tokens/s at batch 1 and 16 and prefill
 tokens/s, for adapt and transformers; the MoE layer alone against
-transformers' experts implementation (its default, and eager) at 1, 16 and 512 tokens; the bandwidth
+transformers' experts implementation (its default, and eager) at 1, 16 and 512 tokens of the hidden states
+the model feeds it (and 512 random ones, which route evenly); the bandwidth
 achieved at batch-1 float32 decode of the dense model (weight bytes read per token x tokens/s) against
 a memory-copy bandwidth measured in the same run, in rounds alternated with the decode rounds. Medians of
 a few repeats after a warm-up.
@@ -121,9 +122,18 @@ def moe_layer(hf, eng, dev, args):
     h = hf.config.hidden_size
     res = {}
     impls = ["grouped_mm", "eager"]
-    for t in (1, 16, 512):
-        x = (torch.randn(t, h, device=dev) * 0.5).to(eng.dtype)
-        fb = ForwardBatch("prefill", torch.zeros(t, dtype=torch.long, device=dev), eng.kernels)
+    # the block's real inputs: what the model feeds its first MoE block on 2 x 256 prompt tokens (its routing
+    # is skewed, as real routing is; random inputs route evenly and flatter padded / grouped kernels)
+    seen = []
+    hook = theirs_block.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+    with torch.inference_mode():
+        hf(torch.tensor(prompts(2, 256, 11), device=dev))
+    hook.remove()
+    real = seen[0].reshape(-1, h).to(eng.dtype)  # [512, H]
+    for t in (1, 16, 512, "512_random"):
+        x = real[:t] if isinstance(t, int) else (torch.randn(512, h, device=dev) * 0.5).to(eng.dtype)
+        t = x.shape[0] if isinstance(t, int) else t
+        fb = ForwardBatch("prefill", torch.zeros(x.shape[0], dtype=torch.long, device=dev), eng.kernels)
         with torch.inference_mode():
             ours = timed(lambda: ours_block(x, fb), dev, args.repeat * 3)
             row = {"adapt_ms": round(ours * 1e3, 3)}
@@ -141,7 +151,7 @@ def moe_layer(hf, eng, dev, args):
                 except Exception as e:  # an implementation this torch build lacks
                     row[f"transformers_{impl}"] = f"unavailable: {type(e).__name__}: {str(e)[:80]}"
         # the physical limit on this device: one dense GEMM chain with the same multiply-adds (T * K rows)
-        rows, inter = t * hf.config.num_experts_per_tok, ours_block.num_inter
+        rows, inter = x.shape[0] * hf.config.num_experts_per_tok, ours_block.num_inter
         a, b = (torch.randn(n, m, device=dev, dtype=eng.dtype) for n, m in ((rows, h), (h, 2 * inter)))
         c, d = (torch.randn(n, m, device=dev, dtype=eng.dtype) for n, m in ((rows, inter), (inter, h)))
         row["dense_gemm_same_flops_ms"] = round(timed(lambda: (a @ b, c @ d), dev, args.repeat * 3) * 1e3, 3)

@@ -153,11 +153,13 @@ _PAD_MAX_WASTE_LOWP = 4.0
 # 128 tokens padded 11.4 / grouped_mm 11.9 / loop 12.8, 512 tokens 30.4 / 26.0 / 22.0, 1024 tokens
 # padded 61.5 / loop 35.5. So float32 takes the batched paths only up to 16 rows per expert on average
 _PAD_MAX_ROWS_FP32 = 16
-# bfloat16 likewise beyond 32 rows per expert: the padded bmm is then no faster than the grouped / per-
-# expert GEMMs on balanced routing (512 tokens 9.7 vs 10.5 ms, 1024 tokens 30 vs 16.5), and real routing
-# is skewed (the bench MoE model's prefill pads 1.7-5x, up to the 4x allowed): its bf16 4 x 256-token
-# prefill ran at 2061 tok/s with the padded path, 3919-4080 without it (same process)
-_PAD_MAX_ROWS_LOWP = 32
+# bfloat16: beyond 32 rows per expert the padded bmm only pays while it pads little (balanced routing,
+# 512 tokens: 9.7 vs 10.5 ms for the grouped path) and loses beyond 64 (1024 tokens 30 vs 16.5 ms); real
+# routing is skewed (the bench MoE model's prefill padded 1.7-5x when 4x was allowed, and its bf16
+# 4 x 256-token prefill ran at 2061 tok/s with the padded path, 3919-4080 without it, same process)
+_PAD_MAX_ROWS_LOWP = 64
+_PAD_FREE_ROWS_LOWP = 32  # up to here the 4x waste above; beyond, at most _PAD_MAX_WASTE_BUSY
+_PAD_MAX_WASTE_BUSY = 1.5
 _GROUPED_MAX_ROWS_FP32 = 16
 _LOWP = (torch.bfloat16, torch.float16)
 
@@ -174,6 +176,8 @@ def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
     max_waste = _PAD_MAX_WASTE_LOWP if x.dtype in _LOWP else _PAD_MAX_WASTE
     if s > (_PAD_MAX_ROWS_LOWP if x.dtype in _LOWP else _PAD_MAX_ROWS_FP32) * e:
         return None
+    if x.dtype in _LOWP and s > _PAD_FREE_ROWS_LOWP * e:  # bigger per-expert GEMMs: pad only a little
+        max_waste = _PAD_MAX_WASTE_BUSY
     if (c == 0 or e * c > max_waste * s or w_gate_up.transpose(1, 2).stride(-1) != 1
             or w_down.transpose(1, 2).stride(-1) != 1):
         return None
