@@ -199,10 +199,3 @@ def _build(path: Path, pattern: str, config: dict[str, Any]):
             raise CheckpointError(f"tiktoken tokenizer: special token {content!r} should have id {tid}, "
                                   f"got {tok.token_to_id(content)}")
     return tok
-
-
-def save_as_tokenizer_json(root: Path, out: Path) -> None:
-    """Write the tiktoken tokenizer of ``root`` as a tokenizer.json (what ``adapt`` and transformers read)."""
-    cfg_file = root / "tokenizer_config.json"
-    config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
-    build_tokenizer(root, config).save(str(out))
