@@ -135,10 +135,10 @@ def _eos(cfg: Mapping[str, Any]) -> tuple[int, ...]:
 
 
 def _sliding_window(cfg: Mapping[str, Any], mt: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
-    """(window, layers using it; None = all), as transformers 5 applies them: ``layer_types`` when the
-    config lists them (transformers writes it on save); else mistral / mixtral window every layer, qwen3_moe
-    every layer when ``use_sliding_window``, qwen2 / qwen3 the layers from ``max_window_layers`` on and
-    qwen2_moe the even-indexed layers below it."""
+    """(window, layers using it; None = all), as transformers 5 applies them: mistral / mixtral window every
+    layer, qwen3_moe every layer when ``use_sliding_window``; qwen2 / qwen3 / qwen2_moe follow ``layer_types``
+    when the config lists them (transformers writes it on save), else the layers from ``max_window_layers``
+    on (qwen2, qwen3) or the even-indexed layers below it (qwen2_moe)."""
     w = cfg.get("sliding_window")
     if mt not in ("mistral", "mixtral") and not cfg.get("use_sliding_window"):
         w = None
@@ -146,13 +146,13 @@ def _sliding_window(cfg: Mapping[str, Any], mt: str, layers: int) -> tuple[int |
         return None, None
     if not isinstance(w, int) or isinstance(w, bool) or w < 1:
         raise ConfigError(f"sliding_window must be a positive integer; got {w!r}")
+    if mt in ("mistral", "mixtral", "qwen3_moe"):  # their modeling code windows every layer, layer_types or not
+        return w, None
     types = cfg.get("layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != layers:
             raise ConfigError(f"layer_types must list one type per layer ({layers}); got {types!r}")
         on = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    elif mt in ("mistral", "mixtral", "qwen3_moe"):
-        return w, None
     else:
         mwl = int(cfg.get("max_window_layers", 28))
         on = tuple(i for i in range(layers) if (i % 2 == 0 and i < mwl if mt == "qwen2_moe" else i >= mwl))

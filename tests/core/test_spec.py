@@ -70,6 +70,8 @@ def test_sliding_window_layers_follow_transformers():
     a = spec("qwen2_moe", num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=3)
     assert a.window_layers == (0, 2)
     assert spec("qwen3_moe", use_sliding_window=True, sliding_window=8).window_layers is None
+    # transformers' Mistral windows every layer even when a config lists layer_types
+    assert spec("mistral", sliding_window=8, layer_types=["full_attention", "sliding_attention"]).window_layers is None
     for mt, kw in (("qwen2", dict(max_window_layers=1)), ("qwen3", dict(max_window_layers=2)),
                    ("qwen2_moe", dict(max_window_layers=3))):
         a = saved(mt, num_hidden_layers=4, use_sliding_window=True, sliding_window=8, **kw)
