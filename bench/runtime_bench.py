@@ -4,7 +4,7 @@ Prints one JSON document, per dtype (float32 and bfloat16 by default, both on th
 dense llama-like model and a MoE model (32 experts), decode tokens/s at batch 1 and 16 and prefill
 tokens/s, for adapt and transformers; the MoE layer alone against
 transformers' experts implementation (its default, and eager) at 1, 16 and 512 tokens of the hidden states
-the model feeds it (and 512 random ones, which route evenly); the bandwidth
+the model feeds it (and 512 random ones, which route evenly), with the expert path adapt measured fastest; the bandwidth
 achieved at batch-1 float32 decode of the dense model (weight bytes read per token x tokens/s) against
 a memory-copy bandwidth measured in the same run, in rounds alternated with the decode rounds. Medians of
 a few repeats after a warm-up.
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapt.runtime.engine import Engine  # noqa: E402
+from adapt.runtime.tactics import TACTICS  # noqa: E402
 from adapt.runtime.models.batch import ForwardBatch  # noqa: E402
 from adapt.runtime.models.layers import linear  # noqa: E402
 from adapt.runtime.sampling import SamplingParams  # noqa: E402
@@ -136,7 +137,8 @@ def moe_layer(hf, eng, dev, args):
         fb = ForwardBatch("prefill", torch.zeros(x.shape[0], dtype=torch.long, device=dev), eng.kernels)
         with torch.inference_mode():
             ours = timed(lambda: ours_block(x, fb), dev, args.repeat * 3)
-            row = {"adapt_ms": round(ours * 1e3, 3)}
+            row = {"adapt_ms": round(ours * 1e3, 3),
+                   "adapt_path": "packed loop" if ours_block.packed is not None else TACTICS.last}
             for impl in impls:
                 try:
                     hf.set_experts_implementation(impl) if hasattr(hf, "set_experts_implementation") else \

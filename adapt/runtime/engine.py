@@ -15,6 +15,7 @@ layers.{i}.attn, layers.{i}.post_attn_norm, layers.{i}.router_logits, layers.{i}
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from adapt.runtime.models.registry import model_class
 from adapt.runtime.parallel import SINGLE, ParallelContext
 from adapt.runtime.sampling import SamplingParams, make_generator, sample
 from adapt.runtime.scheduler import Scheduler
+from adapt.runtime.tactics import STRATEGIES, STRATEGY_ENV
 from adapt.runtime.checkpoint import open_model
 from adapt.spec import ModelSpec
 
@@ -145,6 +147,9 @@ class Engine:
         dev = resolve_device(device, tdtype)
         if kv_cache_dtype not in ("auto", "int8"):
             raise RuntimeConfigError(f"--kv-cache-dtype must be auto or int8; got {kv_cache_dtype!r}")
+        pinned = os.environ.get(STRATEGY_ENV, "auto")
+        if pinned not in ("auto",) + STRATEGIES:
+            raise RuntimeConfigError(f"{STRATEGY_ENV} must be auto or one of {', '.join(STRATEGIES)}; got {pinned!r}")
         k = get_kernels(kernels) if kernels in ("adapt", "reference") else None
         if k is None:
             raise RuntimeConfigError(f"--kernels must be adapt or reference; got {kernels!r}")

@@ -12,25 +12,23 @@ their first global id; slots routed elsewhere contribute zero, so summing every 
 
 ``moe_experts_fused`` takes gate|up concatenated once at load time (w_gate_up [E, 2I, H], gate rows
 then up rows, transformers' ``gate_up_proj`` layout), so each expert runs two GEMMs instead of three.
-Both kernels gather the routed rows once (index_select), write every expert's output into one
-preallocated [S', H] buffer, weight it and combine with one index_add_; ranks' foreign slots are
-pushed past the last local expert by the sort instead of filtered with nonzero. On CPU builds with
-``torch._grouped_mm`` the fused kernel runs each projection as one grouped GEMM once there are more
-slots than experts and at most 64 per expert on average (measured on a 2-core Xeon, torch 2.13, 32
-experts top-4, H 512, I 256: 16 tokens 1.26 vs 1.56 ms for the loop, 512 tokens 9.4 vs 10.4 ms,
-but 1024 tokens 27.6 vs 17.5 ms, and slower at 1 token).
+Three paths serve the sorted slots, every one computing the same sums:
 
-Before both, the fused kernel tries padded batched GEMMs (``_padded_experts``): every expert's rows
-padded to the busiest expert's count C and two ``torch.bmm`` over [E, C, *], the experts stored
-transposed by the model so the right-hand sides are contiguous (no tokens dropped: C is the maximum,
-not a capacity factor). Same machine, 512 tokens: bfloat16 3.4 ms against 5.3-7.0 for transformers'
-grouped_mm, float32 7.3-8.8 against 9.5-9.8; when the padding would waste too much it declines.
-On a 2-core AMD EPYC float32 loses to the per-expert loop beyond ~16 rows per expert, so float32
-takes the padded and grouped paths only up to that (measurements by the constants below).
+- the loop: the routed rows gathered once (index_select), one GEMM chain per expert segment into one
+  preallocated [S', H] buffer, weighted and combined with one index_add_;
+- grouped: ``torch._grouped_mm``, one call per projection, where the build has it;
+- padded: every expert's rows padded to the busiest expert's count C and two ``torch.bmm`` over
+  [E, C, *], the experts stored transposed by the model so the right-hand sides are contiguous (no
+  token dropped: C is the maximum, not a capacity factor); offered while it pads at most 4x.
 
-``moe_experts_packed`` is the CPU float32 form the model switches to at load (MoE.pack_experts): each
-expert's gate|up and down packed once into oneDNN's blocked layout, one packed GEMM pair per expert
-segment; 1.25-1.6x faster than the stacked form from 4 to 1024 tokens on the 2-core AMD EPYC.
+Which one runs is the caller's ``choose``: the runtime times them per call class on this host
+(adapt/runtime/tactics.py; the winner flips between CPUs). Ranks' foreign slots are pushed past the last local expert by the sort instead of
+filtered with nonzero.
+
+``moe_experts_packed`` is the CPU form with each expert's gate|up and down packed once into oneDNN's
+blocked layout, one packed GEMM pair per expert segment; MoE.pack_experts switches a model to it at
+load where a timed trial says it wins (1.25-1.6x over the stacked form from 4 to 1024 tokens, float32
+on a 2-core AMD EPYC; slower than the stacked paths on a 2-core AMX Xeon).
 """
 
 import torch
@@ -67,8 +65,10 @@ def moe_experts_fused(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     expert_offset: int = 0,
+    choose=None,
 ) -> torch.Tensor:
-    """moe_experts with w_gate_up [E, 2I, H] = cat(w_gate, w_up, dim=1): out [T, H] (x.dtype)."""
+    """moe_experts with w_gate_up [E, 2I, H] = cat(w_gate, w_up, dim=1): out [T, H] (x.dtype). ``choose``
+    picks the path (see _grouped)."""
     e, i2, _ = w_gate_up.shape
     inter = i2 // 2
 
@@ -76,24 +76,17 @@ def moe_experts_fused(
         gu = F.linear(xs, w_gate_up[ei])  # [n, 2I]
         torch.matmul(F.silu(gu[:, :inter]) * gu[:, inter:], w_down[ei].t(), out=out)  # [n, H]
 
-    def grouped(xs: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-        # torch._grouped_mm (one call per projection) where this build has a CPU kernel: it saves the
-        # per-expert dispatch once most experts are busy, but falls behind the per-expert GEMMs beyond
-        # ~64 rows per expert (measured, see the module docstring); None falls back to the loop
-        max_rows = _GROUPED_MAX_ROWS if xs.dtype in _LOWP else _GROUPED_MAX_ROWS_FP32
-        if not (_GROUPED_MM and xs.device.type == "cpu" and e < xs.shape[0] <= max_rows * e):
-            return None
+    def grouped(xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        # torch._grouped_mm, one call per projection (offered only where this build has it)
         offs = torch.tensor(counts[:e], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        try:
-            gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)  # [S', 2I]
-            return torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], w_down.transpose(1, 2), offs=offs)
-        except (RuntimeError, NotImplementedError):  # no kernel for this dtype / layout
-            return None
+        gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)  # [S', 2I]
+        return torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], w_down.transpose(1, 2), offs=offs)
 
-    def padded(x, weights, tokens, order, local, counts) -> torch.Tensor | None:
-        return _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
-
-    return _grouped(x, weights, ids, e, expert_offset, expert, grouped, padded)
+    padded = (lambda x, s, counts: _padded_ok(x, s, counts, e, w_gate_up, w_down),
+              lambda x, weights, tokens, order, local, counts: _padded_experts(
+                  x, weights, tokens, order, local, counts, w_gate_up, w_down))
+    return _grouped(x, weights, ids, e, expert_offset, expert, grouped if _GROUPED_MM else None, padded,
+                    ("fused", inter), choose)
 
 
 def moe_experts_packed(
@@ -103,11 +96,11 @@ def moe_experts_packed(
     w_gate_up: list[torch.Tensor],
     w_down: list[torch.Tensor],
     expert_offset: int = 0,
+    choose=None,
 ) -> torch.Tensor:
     """moe_experts_fused with each expert's weights packed once for oneDNN (CPU): w_gate_up[e] [2I, H] and
-    w_down[e] [H, I], from ``pack_expert_weights``. One packed GEMM pair per expert segment: on CPU the
-    blocked layout beats both the per-expert F.linear and the padded batched GEMMs of the stacked form
-    (measured in moe.py, where the model chooses it)."""
+    w_down[e] [H, I], from ``pack_expert_weights``. One packed GEMM pair per expert segment (the loop
+    path only); the model takes it where a trial at load says it beats the stacked paths (MoE.pack_experts)."""
     e = len(w_gate_up)
     inter = w_gate_up[0].shape[0] // 2 if e else 0
 
@@ -116,7 +109,7 @@ def moe_experts_packed(
         out.copy_(torch.ops.mkldnn._linear_pointwise(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down[ei],
                                                      None, "none", [], ""))  # [n, H]
 
-    return _grouped(x, weights, ids, e, expert_offset, expert)
+    return _grouped(x, weights, ids, e, expert_offset, expert, shape=("packed", inter), choose=choose)
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
@@ -143,44 +136,39 @@ def pack_expert_weights(w: torch.Tensor, rows_hint: int = 64) -> list[torch.Tens
 
 
 _GROUPED_MM = hasattr(torch, "_grouped_mm")
-_GROUPED_MAX_ROWS = 64  # mean rows per expert up to which torch._grouped_mm beats the loop on CPU
-# padded batched GEMMs while E * C <= this x the real rows: float32 pays for the padding rows' FLOPs;
-# bfloat16 / float16 batched GEMMs (AMX here) are bound by reading the weights, so padding is nearly free
-# (measured, 32 experts top-4: 16 tokens bf16 1.94 -> 1.16 ms at 4x, float32 1.44 -> 1.65 ms, worse)
-_PAD_MAX_WASTE = 1.5
-_PAD_MAX_WASTE_LOWP = 4.0
-# float32 on a 2-core AMD EPYC (torch 2.13, 32 experts top-4, H 512, I 256; ms for the MoE block):
-# 128 tokens padded 11.4 / grouped_mm 11.9 / loop 12.8, 512 tokens 30.4 / 26.0 / 22.0, 1024 tokens
-# padded 61.5 / loop 35.5. So float32 takes the batched paths only up to 16 rows per expert on average
-_PAD_MAX_ROWS_FP32 = 16
-# bfloat16: beyond 32 rows per expert the padded bmm only pays while it pads little (balanced routing,
-# 512 tokens: 9.7 vs 10.5 ms for the grouped path) and loses beyond 64 (1024 tokens 30 vs 16.5 ms); real
-# routing is skewed (the bench MoE model's prefill padded 1.7-5x when 4x was allowed, and its bf16
-# 4 x 256-token prefill ran at 2061 tok/s with the padded path, 3919-4080 without it, same process)
-_PAD_MAX_ROWS_LOWP = 64
-_PAD_FREE_ROWS_LOWP = 32  # up to here the 4x waste above; beyond, at most _PAD_MAX_WASTE_BUSY
-_PAD_MAX_WASTE_BUSY = 1.5
-_GROUPED_MAX_ROWS_FP32 = 16
 _LOWP = (torch.bfloat16, torch.float16)
+# The padded path is a candidate while E * C <= this x the real rows (beyond, its memory and FLOPs
+# outgrow any saving); which eligible path runs is the caller's ``choose`` (the runtime measures them:
+# adapt/runtime/tactics.py). Without one, or off CPU, the padded path runs while it wastes at most
+# _PAD_STATIC_WASTE, else the loop.
+_PAD_MAX_WASTE = 4.0
+_PAD_STATIC_WASTE = 1.5
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _padded_ok(x, s, counts, e, w_gate_up, w_down) -> bool:
+    """Whether the padded path can serve s slots: stored transposed, padding at most _PAD_MAX_WASTE x."""
+    c = max(counts[:e])
+    max_waste = _PAD_MAX_WASTE if x.device.type == "cpu" else _PAD_STATIC_WASTE
+    return (0 < c and s > e and e * c <= max_waste * s and w_gate_up.transpose(1, 2).stride(-1) == 1
+            and w_down.transpose(1, 2).stride(-1) == 1)
 
 
 def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down) -> torch.Tensor | None:
     """The routed experts as two batched GEMMs over every expert's rows padded to the busiest count C:
     [E, C, H] @ [E, H, 2I] and [E, C, I] @ [E, I, H], the experts stored transposed so the right-hand
-    sides are contiguous. Padding rows read token 0 and carry weight 0. None when the padding would
-    waste more than _PAD_MAX_WASTE(_LOWP) x the real rows, or the weights are not stored transposed.
-    When every slot is served here the combine gathers each token's K rows and sums them in float32;
-    under expert parallelism it scatter-adds the served rows."""
+    sides are contiguous. Padding rows read token 0 and carry weight 0. None when _padded_ok says no.
+    When every slot is served here the combine gathers each token's K rows and sums them in float32
+    (one batched [1, K] @ [K, H] product per token: 0.48 -> 0.26 ms at 512 tokens bf16 against a
+    broadcast multiply and sum); under expert parallelism it scatter-adds the served rows."""
     e, i2, h = w_gate_up.shape
-    inter, s, c = i2 // 2, tokens.shape[0], max(counts[:e])
-    max_waste = _PAD_MAX_WASTE_LOWP if x.dtype in _LOWP else _PAD_MAX_WASTE
-    if s > (_PAD_MAX_ROWS_LOWP if x.dtype in _LOWP else _PAD_MAX_ROWS_FP32) * e:
+    inter, s = i2 // 2, tokens.shape[0]
+    if not _padded_ok(x, s, counts, e, w_gate_up, w_down):
         return None
-    if x.dtype in _LOWP and s > _PAD_FREE_ROWS_LOWP * e:  # bigger per-expert GEMMs: pad only a little
-        max_waste = _PAD_MAX_WASTE_BUSY
-    if (c == 0 or e * c > max_waste * s or w_gate_up.transpose(1, 2).stride(-1) != 1
-            or w_down.transpose(1, 2).stride(-1) != 1):
-        return None
+    c = max(counts[:e])
     dev = x.device
     local_sorted = local.index_select(0, order)  # [S'] expert of each sorted slot
     starts = [0] * e  # first sorted slot of each expert
@@ -196,8 +184,8 @@ def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
     hp = torch.bmm(act, w_down.transpose(1, 2))  # [E, C, H]
     if s == t * k:  # every slot is served here: gather each token's K rows and sum them, no scatter
         pos = torch.empty_like(dest).index_copy_(0, order, dest)  # [T*K] padded row of slot (t, k)
-        rows = _take_rows(hp.view(e * c, h), pos).view(t, k, h)
-        return (rows * weights.float()[:, :, None]).sum(1).to(x.dtype)  # float32 weighted combine
+        rows = _take_rows(hp.view(e * c, h), pos).view(t, k, h).float()
+        return torch.bmm(weights.float()[:, None, :], rows).view(t, h).to(x.dtype)  # float32 weighted combine
     wp = torch.zeros(e * c, dtype=torch.float32, device=dev).index_copy_(
         0, dest, weights.reshape(-1).index_select(0, order).float())  # [E*C], 0 on padding rows
     out = torch.zeros(x.shape, dtype=torch.float32, device=dev)
@@ -205,7 +193,12 @@ def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
     return out.to(x.dtype)
 
 
-def _grouped(x, weights, ids, e, expert_offset, expert, grouped=None, padded=None) -> torch.Tensor:
+def _grouped(x, weights, ids, e, expert_offset, expert, grouped=None, padded=None, shape=(),
+             choose=None) -> torch.Tensor:
+    """Sort the slots by expert, then run the experts by one of the paths the caller offers (the
+    per-expert ``expert`` loop always; ``grouped`` and ``padded`` where given and eligible):
+    ``choose(key, {name: thunk})`` picks on CPU (key: the call's class, ``shape`` naming the expert
+    weights), else the static rule above."""
     t, h = x.shape
     k = ids.shape[1]
     local = ids.reshape(-1).to(torch.long) - expert_offset  # [S]
@@ -215,15 +208,21 @@ def _grouped(x, weights, ids, e, expert_offset, expert, grouped=None, padded=Non
     served = len(order) - counts[e]
     order = order[:served]  # [S'] slots this rank serves
     tokens = order // k  # [S'] source token of each slot
-    if padded is not None and served > e:
-        out = padded(x, weights, tokens, order, local, counts)
-        if out is not None:
-            return out
-    xs = _take_rows(x, tokens)  # [S', H]
-    ys = None  # [S', H]
-    if grouped is not None:
-        ys = grouped(xs, counts)
-    if ys is None:
+    xs_cache: list[torch.Tensor] = []
+
+    def gathered() -> torch.Tensor:
+        if not xs_cache:
+            xs_cache.append(_take_rows(x, tokens))  # [S', H]
+        return xs_cache[0]
+
+    def combine(ys: torch.Tensor) -> torch.Tensor:  # ys [S', H] -> out [T, H]
+        slot_w = weights.reshape(-1).index_select(0, order).float()  # [S']
+        out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+        out.index_add_(0, tokens, ys.float().mul_(slot_w[:, None]))
+        return out.to(x.dtype)
+
+    def loop() -> torch.Tensor:
+        xs = gathered()
         ys = torch.empty(served, h, dtype=x.dtype, device=x.device)
         start = 0
         for ei in range(e):
@@ -231,10 +230,19 @@ def _grouped(x, weights, ids, e, expert_offset, expert, grouped=None, padded=Non
             if n:
                 expert(ei, xs[start:start + n], ys[start:start + n])
                 start += n
-    slot_w = weights.reshape(-1).index_select(0, order).float()  # [S']
-    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
-    out.index_add_(0, tokens, ys.float().mul_(slot_w[:, None]))
-    return out.to(x.dtype)
+        return combine(ys)
+
+    cands = {}
+    cpu = x.device.type == "cpu"
+    if padded is not None and padded[0](x, served, counts):
+        cands["padded"] = lambda: padded[1](x, weights, tokens, order, local, counts)
+    if grouped is not None and cpu and e < served:
+        cands["grouped"] = lambda: combine(grouped(gathered(), counts))
+    cands["loop"] = loop
+    waste = round(2 * e * max(counts[:e]) / served) / 2 if "padded" in cands else 0.0  # in steps of 0.5
+    if choose is None or not cpu:  # the static rule: padded while it pads little, else the loop
+        return cands["padded" if "padded" in cands and waste <= _PAD_STATIC_WASTE else "loop"]()
+    return choose((x.dtype, e, h, shape, _pow2(served), waste, tuple(cands)), cands)
 
 
 def moe_experts_ref(x, weights, ids, w_gate, w_up, w_down, expert_offset=0):
@@ -253,13 +261,13 @@ def moe_experts_ref(x, weights, ids, w_gate, w_up, w_down, expert_offset=0):
     return out.to(x.dtype)
 
 
-def moe_experts_fused_ref(x, weights, ids, w_gate_up, w_down, expert_offset=0):
+def moe_experts_fused_ref(x, weights, ids, w_gate_up, w_down, expert_offset=0, choose=None):
     """Reference twin of moe_experts_fused: split gate|up and run the per-token loop."""
     inter = w_gate_up.shape[1] // 2
     return moe_experts_ref(x, weights, ids, w_gate_up[:, :inter], w_gate_up[:, inter:], w_down, expert_offset)
 
 
-def moe_experts_packed_ref(x, weights, ids, w_gate_up, w_down, expert_offset=0):
+def moe_experts_packed_ref(x, weights, ids, w_gate_up, w_down, expert_offset=0, choose=None):
     """Reference twin of moe_experts_packed: unpack the weights and run the per-token loop."""
     gu = torch.stack([w.to_dense() for w in w_gate_up])
     return moe_experts_fused_ref(x, weights, ids, gu, torch.stack([w.to_dense() for w in w_down]), expert_offset)

@@ -15,11 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from adapt.runtime.kernels.moe_experts import onednn_packs, pack_expert_weights
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.layers import Linear, _param, linear, slot_loader
 from adapt.runtime.models.mlp import DenseMLP
 from adapt.runtime.models.names import LayoutNames
 from adapt.runtime.parallel import ParallelContext
+from adapt.runtime.tactics import TACTICS, packing_wins
 from adapt.spec import ModelSpec
 
 
@@ -80,21 +82,24 @@ class MoE(nn.Module):
 
     def pack_experts(self, dtypes: tuple[torch.dtype, ...]) -> int:
         """On CPU, float32 experts in ``dtypes``: repack every expert's gate_up and down once for oneDNN
-        (moe_experts_packed), replacing the stacked tensors, so memory does not grow; returns the number
-        of packed weights. A 2-core AMD EPYC, 32 experts top-4, H 512, I 256, ms for the experts alone,
-        stacked / packed: 4 tokens 2.9 / 2.3, 128 tokens 9.2 / 5.8, 512 tokens 18.0 / 13.2, 1024 tokens
-        28.5 / 22.5 (1 token 0.49 / 0.56). bfloat16 keeps the stacked form: its padded batched GEMMs win
-        at 64-128 tokens (2.8 / 3.3 ms) and the two are even beyond."""
+        (moe_experts_packed), replacing the stacked tensors so memory does not grow, where a timed trial
+        says the packed loop beats the stacked paths on this host (``packing_wins``); returns the number
+        of packed weights. The winner flips between CPUs: float32 on a 2-core AMD EPYC, 32 experts top-4,
+        H 512, I 256, ms for the experts alone, stacked / packed: 4 tokens 2.9 / 2.3, 512 tokens 18.0 /
+        13.2; on a 2-core AMX Xeon the stacked loop and grouped_mm beat the packed loop (512 tokens
+        8.6 / 8.3 against 10.5 ms). bfloat16 stays stacked: its padded batched GEMMs, which the packed
+        form cannot run, win on AMX from ~64 rows per expert, and A/B runs of the loop were mixed."""
         w = self.w_gate_up
         if (self.packed is not None or w is None or w.device.type != "cpu" or w.dtype != torch.float32
-                or w.dtype not in dtypes):
+                or w.dtype not in dtypes or not onednn_packs(w.dtype) or not packing_wins(self, w.dtype)):
             return 0
-        from adapt.runtime.kernels.moe_experts import pack_expert_weights
+        return self._pack()
 
+    def _pack(self) -> int:
         def plist(t: torch.Tensor) -> nn.ParameterList:
             return nn.ParameterList([nn.Parameter(p, requires_grad=False) for p in pack_expert_weights(t.detach())])
 
-        self.packed = (plist(w), plist(self.w_down))
+        self.packed = (plist(self.w_gate_up), plist(self.w_down))
         self._packed_lists = (list(self.packed[0]), list(self.packed[1]))  # what the kernel takes, built once
         self.w_gate_up = self.w_down = None
         return 2 * len(self.experts)
@@ -102,8 +107,8 @@ class MoE(nn.Module):
     def run_experts(self, k, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts this rank holds on x [T, H] (weights [T, K], global ids [T, K])."""
         if self.packed is not None:
-            return k.moe_experts_packed(x, weights, ids, *self._packed_lists, self.expert_offset)
-        return k.moe_experts_fused(x, weights, ids, self.w_gate_up, self.w_down, self.expert_offset)
+            return k.moe_experts_packed(x, weights, ids, *self._packed_lists, self.expert_offset, TACTICS.run)
+        return k.moe_experts_fused(x, weights, ids, self.w_gate_up, self.w_down, self.expert_offset, TACTICS.run)
 
     def route(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K] float32, global expert ids [T, K])."""
@@ -130,3 +135,4 @@ class MoE(nn.Module):
                 s = torch.sigmoid(linear(x, self.shared_gate.weight)) * s
             y = y + s
         return y
+

@@ -160,6 +160,7 @@ def test_padded_batched_path_matches_twin(dtype, monkeypatch):
     calls = []
     real = me._padded_experts
     monkeypatch.setattr(me, "_padded_experts", lambda *a: calls.append(1) or real(*a))
+
     e, t, k = 4, 24, 2
     g = torch.Generator().manual_seed(8)
     x = torch.randn(t, HID, generator=g)
@@ -171,7 +172,7 @@ def test_padded_batched_path_matches_twin(dtype, monkeypatch):
     weights = torch.rand(t, k, generator=g) + 0.1
     ref32 = moe_experts_fused_ref(x, weights, ids, wgu, wd)
     xs, wgu_t, wd_t = x.to(dtype), _stored_transposed(wgu.to(dtype)), _stored_transposed(wd.to(dtype))
-    out = moe_experts_fused(xs, weights.to(dtype), ids, wgu_t, wd_t)
+    out = moe_experts_fused(xs, weights.to(dtype), ids, wgu_t, wd_t)  # static rule: pads 1.33x, padded
     assert calls, "the padded batched path was not taken"
     twin = moe_experts_fused_ref(xs, weights.to(dtype), ids, wgu.to(dtype), wd.to(dtype))
     if dtype == torch.float32:
@@ -233,3 +234,107 @@ def test_packed_matches_twins(ids, dtype):
     parts = [moe_experts_packed(x, weights, ids, pack_expert_weights(wgu[a:b]), pack_expert_weights(wd[a:b]), a)
              for a, b in [(0, 2), (2, 5), (5, 6)]]
     assert_fp32_close(sum(parts), moe_experts_ref(x, weights, ids, *ws))
+
+
+def _skewed_case(seed=11, t=40, e=6, k=2):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, HID, generator=g)
+    probs = 1.0 / torch.arange(1, e + 1, dtype=torch.float32)
+    ids = torch.multinomial(probs.expand(t, e), k, generator=g)
+    weights = torch.rand(t, k, generator=g) + 0.1
+    wgu = torch.randn(e, 2 * INTER, HID, generator=g) * HID**-0.5
+    wd = torch.randn(e, HID, INTER, generator=g) * INTER**-0.5
+    return x, weights, ids, wgu, wd
+
+
+def test_tactics_time_every_eligible_path_once_and_keep_the_fastest(monkeypatch):
+    import adapt.runtime.kernels.moe_experts as me
+    from adapt.runtime.tactics import STRATEGY_ENV, Tactics
+
+    tac = Tactics()
+    monkeypatch.delenv(STRATEGY_ENV, raising=False)
+    x, weights, ids, wgu, wd = _skewed_case()
+    wgu_t, wd_t = _stored_transposed(wgu), _stored_transposed(wd)
+    runs = {"padded": 0, "grouped": 0, "loop": 0}
+    real_pad, real_mm = me._padded_experts, getattr(torch, "_grouped_mm", None)
+
+    def pad(*a):
+        runs["padded"] += 1
+        return real_pad(*a)
+
+    monkeypatch.setattr(me, "_padded_experts", pad)
+    if real_mm is not None:
+        def mm(*a, **kw):
+            runs["grouped"] += 1
+            return real_mm(*a, **kw)
+        monkeypatch.setattr(torch, "_grouped_mm", mm)
+    twin = moe_experts_fused_ref(x, weights, ids, wgu, wd)
+    out = moe_experts_fused(x, weights, ids, wgu_t, wd_t, choose=tac.run)
+    assert_fp32_close(out, twin)
+    (key, choice), = tac.choice.items()
+    assert choice == tac.last and choice in key[-1] and "loop" in key[-1] and "padded" in key[-1]
+    assert runs["padded"] == 4  # a warm-up and three timed runs
+    assert runs["grouped"] in (0, 8)  # two projections a run, where this build has grouped_mm
+    before = dict(runs)
+    assert_fp32_close(moe_experts_fused(x, weights, ids, wgu_t, wd_t, choose=tac.run), twin)  # the winner alone
+    ran = {n: runs[n] - before[n] for n in runs}
+    assert ran["padded"] == (1 if choice == "padded" else 0)
+    assert ran["grouped"] == (2 if choice == "grouped" else 0)
+    assert len(tac.choice) == 1
+
+
+@pytest.mark.parametrize("strategy", ["padded", "grouped", "loop"])
+def test_each_pinned_strategy_matches_the_twin(strategy, monkeypatch):
+    from adapt.runtime.tactics import STRATEGY_ENV, Tactics
+
+    monkeypatch.setenv(STRATEGY_ENV, strategy)
+    tac = Tactics()
+    x, weights, ids, wgu, wd = _skewed_case(seed=12)
+    out = moe_experts_fused(x, weights, ids, _stored_transposed(wgu), _stored_transposed(wd), choose=tac.run)
+    assert tac.last == (strategy if strategy != "grouped" or hasattr(torch, "_grouped_mm") else "loop")
+    assert_fp32_close(out, moe_experts_fused_ref(x, weights, ids, wgu, wd))
+    ep = moe_experts_fused(x, weights, ids, _stored_transposed(wgu[2:5]), _stored_transposed(wd[2:5]), 2,
+                           choose=tac.run)
+    assert_fp32_close(ep, moe_experts_fused_ref(x, weights, ids, wgu[2:5], wd[2:5], 2))
+
+
+def test_a_candidate_that_raises_is_dropped_and_a_bad_pin_is_refused(monkeypatch):
+    from adapt.runtime.tactics import STRATEGY_ENV, Tactics
+
+    tac = Tactics()
+    monkeypatch.delenv(STRATEGY_ENV, raising=False)
+
+    def broken():
+        raise NotImplementedError("no kernel for this dtype")
+
+    assert tac.run(("k",), {"grouped": broken, "loop": lambda: "loop ran"}) == "loop ran"
+    assert tac.choice == {("k",): "loop"}
+    monkeypatch.setenv(STRATEGY_ENV, "grouped")
+    assert tac.run(("k2",), {"grouped": broken, "loop": lambda: "fallback"}) == "fallback"
+    monkeypatch.setenv(STRATEGY_ENV, "fastest")
+    with pytest.raises(ValueError, match="ADAPT_MOE_STRATEGY"):
+        tac.run(("k3",), {"loop": lambda: None})
+
+
+def test_packing_trial_is_measured_once_per_shape_and_leaves_the_block_alone():
+    import adapt.runtime.tactics as tactics
+    from adapt.runtime.kernels.moe_experts import onednn_packs
+
+    if not onednn_packs(torch.float32):
+        pytest.skip("this CPU does not pack float32 for oneDNN")
+
+    class Block:  # what packing_wins reads from a MoE module
+        experts, hidden_size, num_inter, expert_offset = tuple(range(6)), HID, INTER, 0
+
+        class moe:
+            top_k = 2
+
+    _, _, _, wgu, wd = _skewed_case(seed=13)
+    Block.w_gate_up, Block.w_down = _stored_transposed(wgu), _stored_transposed(wd)
+    tactics._PACK_TRIALS.clear()
+    first = tactics.packing_wins(Block, torch.float32)
+    assert isinstance(first, bool) and len(tactics._PACK_TRIALS) == 1
+    assert torch.equal(Block.w_gate_up, _stored_transposed(wgu)) and not Block.w_gate_up.is_mkldnn
+    tactics._PACK_TRIALS[next(iter(tactics._PACK_TRIALS))] = not first  # cached: not measured again
+    assert tactics.packing_wins(Block, torch.float32) is (not first)
+    tactics._PACK_TRIALS.clear()

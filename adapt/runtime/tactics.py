@@ -1,0 +1,118 @@
+"""Tactic selection: which of several equivalent kernel paths runs, measured on this host.
+
+The kernels (adapt/runtime/kernels/) stay pure functions: where one has several ways to compute the same
+result it takes a ``choose(key, {name: thunk})`` callable and offers the paths eligible for the call.
+The runtime passes ``TACTICS.run``, which times them once per call class and keeps the fastest, as
+TensorRT's builder times tactics or vLLM's MoE tuner writes per-device configs, but at first use and
+in-process: nothing to ship per device. ``packing_wins`` is the load-time trial that decides whether a
+model's MoE experts are repacked for oneDNN.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+
+from adapt.runtime.kernels.moe_experts import moe_experts_fused, moe_experts_packed, pack_expert_weights
+
+STRATEGIES = ("padded", "grouped", "loop")
+STRATEGY_ENV = "ADAPT_MOE_STRATEGY"  # auto (default): measured; or one of STRATEGIES where it applies
+
+
+class Tactics:
+    """Which of the eligible paths runs a call, chosen by timing each once on this host. Every candidate
+    set holds "loop", the path that always applies (the fallback).
+
+    The winner between the per-expert loop, torch._grouped_mm and the padded batched GEMMs flips
+    between CPUs: on a 2-core AMD EPYC (AVX-512, no AMX; torch 2.13, 32 experts top-4, H 512, I 256)
+    float32 at 512 tokens ran padded 30.4 / grouped 26.0 / loop 22.0 ms, while on a 2-core Xeon with
+    AMX the float32 loop and grouped_mm ran 8.6 / 8.3 ms against the packed loop's 10.5, and bfloat16
+    padded at 2.4x waste beat the loop (4.4 vs 5.6 ms). So no fixed threshold is right everywhere:
+    the first call of each class (dtype, expert shapes, served rows rounded up to a power of two,
+    padding waste, candidates) times every candidate three times after one warm-up run and keeps the
+    fastest for the process. Every path computes the same sums, so the choice changes results only
+    by rounding (fp32: within 1e-5). ``ADAPT_MOE_STRATEGY`` pins one path for reproducible runs."""
+
+    def __init__(self):
+        self.choice: dict[tuple, str] = {}
+        self.last = ""  # the path the latest call ran (the bench reports it)
+
+    def run(self, key: tuple, candidates: dict):
+        out, self.last = self._run(key, candidates)
+        return out
+
+    def _run(self, key: tuple, candidates: dict):
+        forced = os.environ.get(STRATEGY_ENV, "auto")
+        if forced != "auto":
+            if forced not in STRATEGIES:
+                raise ValueError(f"{STRATEGY_ENV}={forced!r}: expected auto or one of {', '.join(STRATEGIES)}")
+            name = forced if forced in candidates else "loop"
+            try:
+                return candidates[name](), name
+            except (RuntimeError, NotImplementedError):  # e.g. no grouped_mm kernel for this dtype
+                return candidates["loop"](), "loop"
+        if len(candidates) == 1:
+            return candidates["loop"](), "loop"
+        name = self.choice.get(key)
+        if name is not None:
+            return candidates[name](), name
+        best, out = None, None
+        for cand, fn in candidates.items():
+            try:
+                out = fn()  # warm-up (oneDNN primitive caches, allocator)
+            except (RuntimeError, NotImplementedError):  # no kernel for this dtype / layout: not a candidate
+                continue
+            ts = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                out = fn()
+                ts.append(time.perf_counter() - t0)
+            if best is None or min(ts) < best[0]:
+                best = (min(ts), cand, out)
+        self.choice[key] = best[1]
+        return best[2], best[1]
+
+
+TACTICS = Tactics()
+
+
+_PACK_TRIALS: dict[tuple, bool] = {}
+_TRIAL_TOKENS = (4, 128)
+
+
+def packing_wins(block, dtype: torch.dtype) -> bool:
+    """Whether moe_experts_packed beats the stacked kernel (its paths measured by TACTICS) on ``block``'s
+    experts (a models.moe.MoE) on this host: both timed
+    (best of three after a warm-up) on random tokens with skewed routing (expert e drawn with weight
+    1 / (e + 1)) at _TRIAL_TOKENS tokens; packed wins when its geometric-mean time ratio is below 1.
+    Measured once per (dtype, experts, hidden, intermediate, top-k) and process, on copies of the
+    weights, so the block is untouched."""
+    e, h, inter, k = len(block.experts), block.hidden_size, block.num_inter, block.moe.top_k
+    key = (dtype, e, h, inter, k)
+    if key not in _PACK_TRIALS:
+        g = torch.Generator().manual_seed(0)
+        gu, dn = block.w_gate_up.detach(), block.w_down.detach()
+        pg, pd = pack_expert_weights(gu), pack_expert_weights(dn)
+        probs = 1.0 / torch.arange(1, e + 1, dtype=torch.float32)
+        log_ratio = 0.0
+        for t in _TRIAL_TOKENS:
+            x = torch.randn(t, h, generator=g).to(dtype)
+            ids = torch.multinomial(probs.expand(t, e), min(k, e), generator=g) + block.expert_offset
+            w = torch.rand(t, ids.shape[1], generator=g).to(dtype)
+            best = []
+            for fn in (lambda: moe_experts_fused(x, w, ids, gu, dn, block.expert_offset, TACTICS.run),
+                       lambda: moe_experts_packed(x, w, ids, pg, pd, block.expert_offset)):
+                with torch.inference_mode():
+                    fn()
+                    ts = []
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        fn()
+                        ts.append(time.perf_counter() - t0)
+                best.append(min(ts))
+            log_ratio += math.log(best[1] / best[0])
+        _PACK_TRIALS[key] = log_ratio < 0
+    return _PACK_TRIALS[key]
