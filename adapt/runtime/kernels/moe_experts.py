@@ -34,6 +34,7 @@ on a 2-core AMD EPYC; slower than the stacked paths on a 2-core AMX Xeon).
 import torch
 import torch.nn.functional as F
 
+from .rows import bucket_rows, pad_rows
 from .rows import take_rows as _take_rows
 
 
@@ -73,8 +74,14 @@ def moe_experts_fused(
     inter = i2 // 2
 
     def expert(ei: int, xs: torch.Tensor, out: torch.Tensor) -> None:
-        gu = F.linear(xs, w_gate_up[ei])  # [n, 2I]
-        torch.matmul(F.silu(gu[:, :inter]) * gu[:, inter:], w_down[ei].t(), out=out)  # [n, H]
+        n = xs.shape[0]
+        m = bucket_rows(n) if xs.dtype in _LOWP and xs.device.type == "cpu" else n  # oneDNN: bucketed rows
+        gu = F.linear(pad_rows(xs, m), w_gate_up[ei])  # [m, 2I]
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [m, I]
+        if m == n:
+            torch.matmul(act, w_down[ei].t(), out=out)  # [n, H]
+        else:
+            out.copy_(torch.matmul(act, w_down[ei].t())[:n])
 
     def grouped(xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         # torch._grouped_mm, one call per projection (offered only where this build has it)
@@ -105,9 +112,12 @@ def moe_experts_packed(
     inter = w_gate_up[0].shape[0] // 2 if e else 0
 
     def expert(ei: int, xs: torch.Tensor, out: torch.Tensor) -> None:
-        gu = torch.ops.mkldnn._linear_pointwise(xs, w_gate_up[ei], None, "none", [], "")  # [n, 2I]
-        out.copy_(torch.ops.mkldnn._linear_pointwise(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down[ei],
-                                                     None, "none", [], ""))  # [n, H]
+        n = xs.shape[0]
+        gu = torch.ops.mkldnn._linear_pointwise(pad_rows(xs, bucket_rows(n)), w_gate_up[ei], None, "none", [],
+                                                "")  # [m, 2I], rows bucketed
+        y = torch.ops.mkldnn._linear_pointwise(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down[ei],
+                                               None, "none", [], "")  # [m, H]
+        out.copy_(y[:n])
 
     return _grouped(x, weights, ids, e, expert_offset, expert, shape=("packed", inter), choose=choose)
 
@@ -169,6 +179,8 @@ def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
     if not _padded_ok(x, s, counts, e, w_gate_up, w_down):
         return None
     c = max(counts[:e])
+    if x.dtype in _LOWP and x.device.type == "cpu":  # oneDNN's batched GEMM: bucketed rows (rows.py)
+        c = bucket_rows(c)
     dev = x.device
     local_sorted = local.index_select(0, order)  # [S'] expert of each sorted slot
     starts = [0] * e  # first sorted slot of each expert

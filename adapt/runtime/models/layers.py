@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from adapt.errors import CheckpointError
+from adapt.runtime.kernels.rows import bucket_rows, pad_rows
 from adapt.runtime.parallel import ParallelContext
 
 Loader = Callable[[torch.Tensor], None]
@@ -44,9 +45,15 @@ def slot_loader(module: nn.Module, attr: str, name: str, row: int | None = None,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or oneDNN's linear on a weight :func:`prepack_linears` has packed (``weight.is_mkldnn``)."""
+    """F.linear, or oneDNN's linear on a weight :func:`prepack_linears` has packed (``weight.is_mkldnn``),
+    its row count rounded up to a bucket (``bucket_rows``) so that new prefill lengths reuse compiled
+    primitives."""
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        m = bucket_rows(n)
+        y = torch.ops.mkldnn._linear_pointwise(pad_rows(rows, m), weight, bias, "none", [], "")
+        return (y[:n] if m != n else y).view(*x.shape[:-1], y.shape[-1])
     return F.linear(x, weight, bias)
 
 
