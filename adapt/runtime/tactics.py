@@ -3,16 +3,22 @@
 The kernels (adapt/runtime/kernels/) stay pure functions: where one has several ways to compute the same
 result it takes a ``choose(key, {name: thunk})`` callable and offers the paths eligible for the call.
 The runtime passes ``TACTICS.run``, which times them once per call class and keeps the fastest, as
-TensorRT's builder times tactics or vLLM's MoE tuner writes per-device configs, but at first use and
-in-process: nothing to ship per device. ``packing_wins`` is the load-time trial that decides whether a
-model's MoE experts are repacked for oneDNN.
+TensorRT's builder times tactics or vLLM's MoE tuner writes per-device configs, but at first use: nothing
+to ship per device. ``packing_wins`` is the load-time trial that decides whether a model's MoE experts
+are repacked for oneDNN. Like TensorRT's timing cache, the results persist in
+``$ADAPT_CACHE/tactics/HOST.json`` (HOST: a hash of the CPU model and features, the thread count and the
+torch version), so a later run on the same host times nothing and makes the same choices.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,12 +39,54 @@ class Tactics:
     padded at 2.4x waste beat the loop (4.4 vs 5.6 ms). So no fixed threshold is right everywhere:
     the first call of each class (dtype, expert shapes, served rows rounded up to a power of two,
     padding waste, candidates) times every candidate three times after one warm-up run and keeps the
-    fastest for the process. Every path computes the same sums, so the choice changes results only
-    by rounding (fp32: within 1e-5). ``ADAPT_MOE_STRATEGY`` pins one path for reproducible runs."""
+    fastest (persisted in the timing cache, see the module docstring). Every path computes the same
+    sums, so the choice changes results only by rounding (fp32: within 1e-5). ``ADAPT_MOE_STRATEGY`` pins one path for reproducible runs."""
 
-    def __init__(self):
+    def __init__(self, path: Path | str | None = None):
         self.choice: dict[tuple, str] = {}
         self.last = ""  # the path the latest call ran (the bench reports it)
+        self.path = path  # the timing cache: a file, "host" for $ADAPT_CACHE/tactics/HOST.json, None for none
+        self._saved: dict[str, dict] | None = None  # what the file held, by section, keys as repr strings
+
+    def recall(self, section: str, key: tuple):
+        """The persisted result of ``key`` in ``section`` ("paths" or "packing"), or None."""
+        if self.path is None:
+            return None
+        if self._saved is None:
+            self._saved = {}
+            try:
+                data = json.loads(self._file().read_text())
+                if isinstance(data, dict) and data.get("version") == 1:
+                    self._saved = {k: v for k, v in data.items() if isinstance(v, dict)}
+            except (OSError, ValueError):  # none yet, or unreadable: time again
+                pass
+        return self._saved.get(section, {}).get(repr(key))
+
+    def remember(self, section: str, key: tuple, value) -> None:
+        """Persist ``value`` for ``key`` (atomically: a temporary file renamed over the cache); a cache that
+        cannot be written is skipped silently, the result then lives for this process only."""
+        if self.path is None:
+            return
+        self.recall(section, key)  # loads the file once
+        self._saved.setdefault(section, {})[repr(key)] = value
+        f = self._file()
+        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+        try:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"version": 1, "host": _host(), **self._saved}, indent=1, sort_keys=True))
+            os.replace(tmp, f)
+        except OSError:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # e.g. its folder is not a directory
+                pass
+
+    def _file(self) -> Path:
+        if self.path != "host":
+            return Path(self.path)
+        from adapt.runtime.init_model import cache_root
+
+        return cache_root() / "tactics" / f"{hashlib.sha256(repr(_host()).encode()).hexdigest()[:16]}.json"
 
     def run(self, key: tuple, candidates: dict):
         out, self.last = self._run(key, candidates)
@@ -56,8 +104,9 @@ class Tactics:
                 return candidates["loop"](), "loop"
         if len(candidates) == 1:
             return candidates["loop"](), "loop"
-        name = self.choice.get(key)
-        if name is not None:
+        name = self.choice.get(key) or self.recall("paths", key)
+        if name in candidates:
+            self.choice[key] = name
             return candidates[name](), name
         best, out = None, None
         for cand, fn in candidates.items():
@@ -73,10 +122,19 @@ class Tactics:
             if best is None or min(ts) < best[0]:
                 best = (min(ts), cand, out)
         self.choice[key] = best[1]
+        self.remember("paths", key, best[1])
         return best[2], best[1]
 
 
-TACTICS = Tactics()
+def _host() -> dict:
+    """What a timing depends on besides the call: the CPU model and features, threads, torch."""
+    caps = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
+    return {"machine": platform.machine(), "cpu": str(caps.get("cpu_name", platform.processor())),
+            "features": sorted(k for k, v in caps.items() if v is True), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+TACTICS = Tactics("host")
 
 
 _PACK_TRIALS: dict[tuple, bool] = {}
@@ -88,10 +146,12 @@ def packing_wins(block, dtype: torch.dtype) -> bool:
     experts (a models.moe.MoE) on this host: both timed
     (best of three after a warm-up) on random tokens with skewed routing (expert e drawn with weight
     1 / (e + 1)) at _TRIAL_TOKENS tokens; packed wins when its geometric-mean time ratio is below 1.
-    Measured once per (dtype, experts, hidden, intermediate, top-k) and process, on copies of the
-    weights, so the block is untouched."""
+    Measured once per (dtype, experts, hidden, intermediate, top-k) and host (TACTICS' timing cache), on
+    copies of the weights, so the block is untouched."""
     e, h, inter, k = len(block.experts), block.hidden_size, block.num_inter, block.moe.top_k
     key = (dtype, e, h, inter, k)
+    if key not in _PACK_TRIALS and isinstance(TACTICS.recall("packing", key), bool):
+        _PACK_TRIALS[key] = TACTICS.recall("packing", key)
     if key not in _PACK_TRIALS:
         g = torch.Generator().manual_seed(0)
         gu, dn = block.w_gate_up.detach(), block.w_down.detach()
@@ -115,4 +175,5 @@ def packing_wins(block, dtype: torch.dtype) -> bool:
                 best.append(min(ts))
             log_ratio += math.log(best[1] / best[0])
         _PACK_TRIALS[key] = log_ratio < 0
+        TACTICS.remember("packing", key, _PACK_TRIALS[key])
     return _PACK_TRIALS[key]

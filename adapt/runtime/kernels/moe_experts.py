@@ -22,8 +22,9 @@ Three paths serve the sorted slots, every one computing the same sums:
   token dropped: C is the maximum, not a capacity factor); offered while it pads at most 4x.
 
 Which one runs is the caller's ``choose``: the runtime times them per call class on this host
-(adapt/runtime/tactics.py; the winner flips between CPUs). Ranks' foreign slots are pushed past the last local expert by the sort instead of
-filtered with nonzero.
+(adapt/runtime/tactics.py; the winner flips between CPUs). Ranks' foreign slots are pushed past the
+last local expert by the sort instead of filtered with nonzero. On CPU, low-precision GEMMs (oneDNN)
+run at bucketed row counts (rows.bucket_rows) so that varying expert loads reuse compiled primitives.
 
 ``moe_experts_packed`` is the CPU form with each expert's gate|up and down packed once into oneDNN's
 blocked layout, one packed GEMM pair per expert segment; MoE.pack_experts switches a model to it at

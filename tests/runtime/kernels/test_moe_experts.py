@@ -338,3 +338,31 @@ def test_packing_trial_is_measured_once_per_shape_and_leaves_the_block_alone():
     tactics._PACK_TRIALS[next(iter(tactics._PACK_TRIALS))] = not first  # cached: not measured again
     assert tactics.packing_wins(Block, torch.float32) is (not first)
     tactics._PACK_TRIALS.clear()
+
+
+def test_timing_cache_persists_choices_per_host_and_survives_a_bad_file(tmp_path, monkeypatch):
+    from adapt.runtime.tactics import STRATEGY_ENV, Tactics
+
+    monkeypatch.delenv(STRATEGY_ENV, raising=False)
+    f = tmp_path / "t" / "host.json"
+    timed = []
+
+    def cands():
+        return {"padded": lambda: timed.append("padded") or "p", "loop": lambda: timed.append("loop") or "l"}
+
+    first = Tactics(f)
+    out = first.run(("cls", 1), cands())
+    assert out in ("p", "l") and f.is_file() and len(timed) == 8  # warm-up + three timed runs each
+    second = Tactics(f)  # a later process on the same host: the recorded choice, nothing timed
+    timed.clear()
+    assert second.run(("cls", 1), cands()) == out and timed == [{"p": "padded", "l": "loop"}[out]]
+    assert second.choice == {("cls", 1): {"p": "padded", "l": "loop"}[out]}
+    f.write_text("{not json")
+    third = Tactics(f)
+    timed.clear()
+    third.run(("cls", 1), cands())
+    assert len(timed) == 8  # unreadable cache: timed again, and rewritten
+    assert Tactics(f).recall("paths", ("cls", 1)) in ("padded", "loop")
+    ro = Tactics(tmp_path / "file-not-dir" / "x.json")
+    (tmp_path / "file-not-dir").write_text("")  # the cache's folder cannot be made: in memory only
+    assert ro.run(("cls", 2), cands()) in ("p", "l") and ("cls", 2) in ro.choice
