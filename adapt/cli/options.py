@@ -15,6 +15,9 @@ FormatOpt = Annotated[str, typer.Option("--format", "-f", help="Output format.")
 OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the output to this file.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="Any torch device string: cpu, cuda, npu, xpu, ...")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")]
+PrepackOpt = Annotated[str, typer.Option("--prepack", help="CPU: pack linear weights once for oneDNN. auto: every "
+                       "dtype (float32 sums in another order, a few ulp); exact: only bfloat16 / float16 (bitwise "
+                       "F.linear); off.")]
 WeightsDtypeOpt = Annotated[Optional[str], typer.Option("--weights-dtype", help="Weight dtype "
                             "(default: the checkpoint's native dtype): float32, bfloat16, float16, fp8, int8, int4.")]
 KvDtypeOpt = Annotated[str, typer.Option("--kv-dtype", help="KV cache dtype: bfloat16, float16, fp8, int8, float32.")]

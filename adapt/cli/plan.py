@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from adapt.cli.options import ContextOpt, FormatOpt, KvDtypeOpt, ModelArg, OutOpt, WeightsDtypeOpt
+from adapt.cli.options import ContextOpt, FormatOpt, KvDtypeOpt, ModelArg, WeightsDtypeOpt
 from adapt.cli.output import atomic_write, check_choice, emit, err_console, to_json
 from adapt.errors import PlanError
 from adapt.plan import coverage, layout_of

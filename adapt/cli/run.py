@@ -8,7 +8,7 @@ import typer
 
 from adapt.cli.launch import (CollectiveStatsOpt, DistBackendOpt, DistTimeoutOpt, MicroBatchesOpt, NnodesOpt,
                               NodeRankOpt, NprocOpt, RdzvOpt, TorchrunArgOpt)
-from adapt.cli.options import DeviceOpt, DtypeOpt, FormatOpt
+from adapt.cli.options import DeviceOpt, DtypeOpt, FormatOpt, PrepackOpt
 from adapt.cli.output import check_choice, emit, err_console, to_json
 from adapt.errors import RuntimeConfigError
 
@@ -43,6 +43,7 @@ def run(
     kv_cache_memory: Annotated[Optional[str], typer.Option("--kv-cache-memory", help="KV cache budget: bytes "
                                "(2GiB, 512MiB) or a fraction of free memory (0.5).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | int8")] = "auto",
+    prepack: PrepackOpt = "auto",
     fmt: FormatOpt = "text",
     nproc: NprocOpt = 0,
     nnodes: NnodesOpt = None,
@@ -65,7 +66,7 @@ def run(
         return
     kw = dict(chat=chat, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               stop=stop, ignore_eos=ignore_eos, device=device, dtype=dtype, kernels=kernels,
-              kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype)
+              kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, prepack=prepack)
     if mode == "rank":
         from adapt.runtime.distributed.faults import rank_guard
         from adapt.runtime.distributed.generate import run_distributed

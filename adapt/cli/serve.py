@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from adapt.cli.options import DeviceOpt, DtypeOpt
+from adapt.cli.options import DeviceOpt, DtypeOpt, PrepackOpt
 from adapt.cli.output import err_console
 
 
@@ -22,6 +22,7 @@ def serve(
     kv_cache_memory: Annotated[Optional[str], typer.Option("--kv-cache-memory", help="KV cache budget: bytes "
                                "(2GiB, 512MiB) or a fraction of free memory (0.5).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | int8")] = "auto",
+    prepack: PrepackOpt = "auto",
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model id clients "
                                  "send and /v1/models lists (default: the model directory's name).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=2, help="Context limit, prompt "
@@ -39,7 +40,7 @@ def serve(
 
     engine = Engine.from_pretrained(model, device=device, dtype=dtype, kernels=kernels,
                                     kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                                    max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+                                    max_num_seqs=max_num_seqs, max_model_len=max_model_len, prepack=prepack)
     name = served_model_name or (engine.path.name if engine.path is not None else model)
     cfg = ServiceConfig(model_name=name, max_request_bytes=max_request_bytes, request_timeout_s=request_timeout)
 

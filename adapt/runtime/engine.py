@@ -142,7 +142,7 @@ class Engine:
         as fast), 'exact' only the bitwise-exact dtypes, 'off' never.
         """
         if prepack not in ("auto", "exact", "off"):
-            raise RuntimeConfigError(f"prepack must be auto, exact or off; got {prepack!r}")
+            raise RuntimeConfigError(f"--prepack must be auto, exact or off; got {prepack!r}")
         tdtype = resolve_dtype(dtype)
         dev = resolve_device(device, tdtype)
         if kv_cache_dtype not in ("auto", "int8"):

@@ -15,7 +15,7 @@ def run_generation(model: str | Path, prompts: list[str] | None = None, prompt_i
                    *, chat: bool = False, max_tokens: int = 32, temperature: float = 0.0, top_k: int | None = None,
                    top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
                    ignore_eos: bool = False, device: str = "cpu", dtype: str = "float32", kernels: str = "adapt",
-                   kv_cache_memory: str | None = None, kv_cache_dtype: str = "auto",
+                   kv_cache_memory: str | None = None, kv_cache_dtype: str = "auto", prepack: str = "auto",
                    ctx: ParallelContext = SINGLE, engine: Engine | None = None) -> dict:
     """Load MODEL (unless ``engine`` is given), run all prompts as one batch, return the JSON document
     ``{"outputs": [{"prompt_token_ids", "token_ids", "text", "finish_reason"}], "stats": {...}}``.
@@ -27,7 +27,8 @@ def run_generation(model: str | Path, prompts: list[str] | None = None, prompt_i
         raise RuntimeConfigError("give at least one --prompt or --prompt-ids")
     t0 = time.perf_counter()
     eng = engine or Engine.from_pretrained(model, device=device, dtype=dtype, kernels=kernels, ctx=ctx,
-                                           kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype)
+                                           kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+                                           prepack=prepack)
     load_s = time.perf_counter() - t0
     ids: list[list[int]] = []
     if prompts:

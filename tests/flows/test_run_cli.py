@@ -73,6 +73,18 @@ def test_run_json_builtin_batch(cache):
     assert st["kv_cache"]["blocks_used_after"] == 0 and st["kv_cache"]["blocks_peak_used"] >= 3
 
 
+def test_run_prepack_modes_give_the_same_greedy_tokens(cache, capsys, monkeypatch):
+    # --prepack off / exact / auto: float32 packed sums in another order, within 1e-5; greedy tokens agree
+    runs = []
+    for mode in ("off", "exact", "auto"):
+        code, out, err = _run_here(["run", "tiny-llama", "--prompt-ids", "1,2,3", "-n", "8", "--ignore-eos",
+                                    "--prepack", mode, "--format", "json", "--kv-cache-memory", "4MiB"],
+                                   cache, capsys, monkeypatch)
+        assert code == 0, err
+        runs.append(json.loads(out)["outputs"][0]["token_ids"])
+    assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 8
+
+
 def test_run_text_sampling_int8_and_chat(cache, capsys, monkeypatch):
     code, out, err = _run_here(
         ["run", "tiny-llama", "-p", "Hello", "--chat", "-n", "4", "--temperature", "0.8", "--seed", "3",
@@ -86,6 +98,7 @@ def test_run_errors_are_one_line(cache, tmp_path, capsys, monkeypatch):
              (["tiny-llama", "--prompt-ids", "1,2", "--dtype", "int4"], "--dtype"),
              (["tiny-llama", "--prompt-ids", "1,2", "--kv-cache-memory", "lots"], "--kv-cache-memory"),
              (["tiny-llama", "--prompt-ids", "1,x"], "--prompt-ids"),
+             (["tiny-llama", "--prompt-ids", "1,2", "--prepack", "always"], "--prepack"),
              ([str(tmp_path / "nope"), "--prompt-ids", "1"], "error:")]
     for args, msg in cases:
         code, out, err = _run_here(["run"] + args, cache, capsys, monkeypatch)
