@@ -38,7 +38,7 @@ class Tactics:
     AMX the float32 loop and grouped_mm ran 8.6 / 8.3 ms against the packed loop's 10.5, and bfloat16
     padded at 2.4x waste beat the loop (4.4 vs 5.6 ms). So no fixed threshold is right everywhere:
     the first call of each class (dtype, expert shapes, served rows rounded up to a power of two,
-    padding waste, candidates) times every candidate three times after one warm-up run and keeps the
+    padding waste, candidates) times every candidate three times (in rounds) after one warm-up run and keeps the
     fastest (persisted in the timing cache, see the module docstring). Every path computes the same
     sums, so the choice changes results only by rounding (fp32: within 1e-5). ``ADAPT_MOE_STRATEGY`` pins one path for reproducible runs."""
 
@@ -108,22 +108,22 @@ class Tactics:
         if name in candidates:
             self.choice[key] = name
             return candidates[name](), name
-        best, out = None, None
+        live, outs = {}, {}
         for cand, fn in candidates.items():
             try:
-                out = fn()  # warm-up (oneDNN primitive caches, allocator)
+                outs[cand] = fn()  # warm-up (oneDNN primitive caches, allocator)
             except (RuntimeError, NotImplementedError):  # no kernel for this dtype / layout: not a candidate
                 continue
-            ts = []
-            for _ in range(3):
+            live[cand] = float("inf")
+        for _ in range(3):  # rounds over the candidates, so that a noisy moment of a shared host hits them all
+            for cand in live:
                 t0 = time.perf_counter()
-                out = fn()
-                ts.append(time.perf_counter() - t0)
-            if best is None or min(ts) < best[0]:
-                best = (min(ts), cand, out)
-        self.choice[key] = best[1]
-        self.remember("paths", key, best[1])
-        return best[2], best[1]
+                outs[cand] = candidates[cand]()
+                live[cand] = min(live[cand], time.perf_counter() - t0)
+        name = min(live, key=live.get)
+        self.choice[key] = name
+        self.remember("paths", key, name)
+        return outs[name], name
 
 
 def _host() -> dict:
