@@ -93,9 +93,7 @@ class MoE(nn.Module):
         if (self.packed is not None or w is None or w.device.type != "cpu" or w.dtype != torch.float32
                 or w.dtype not in dtypes or not onednn_packs(w.dtype) or not packing_wins(self, w.dtype)):
             return 0
-        return self._pack()
 
-    def _pack(self) -> int:
         def plist(t: torch.Tensor) -> nn.ParameterList:
             return nn.ParameterList([nn.Parameter(p, requires_grad=False) for p in pack_expert_weights(t.detach())])
 
@@ -135,4 +133,3 @@ class MoE(nn.Module):
                 s = torch.sigmoid(linear(x, self.shared_gate.weight)) * s
             y = y + s
         return y
-
