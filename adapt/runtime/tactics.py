@@ -38,9 +38,10 @@ class Tactics:
     AMX the float32 loop and grouped_mm ran 8.6 / 8.3 ms against the packed loop's 10.5, and bfloat16
     padded at 2.4x waste beat the loop (4.4 vs 5.6 ms). So no fixed threshold is right everywhere:
     the first call of each class (dtype, expert shapes, served rows rounded up to a power of two,
-    padding waste, candidates) times every candidate three times (in rounds) after one warm-up run and keeps the
-    fastest (persisted in the timing cache, see the module docstring). Every path computes the same
-    sums, so the choice changes results only by rounding (fp32: within 1e-5). ``ADAPT_MOE_STRATEGY`` pins one path for reproducible runs."""
+    padding waste, candidates) times every candidate three times (in rounds) after one warm-up run and
+    keeps the fastest (persisted in the timing cache, see the module docstring). Every path computes
+    the same sums, so the choice changes results only by rounding (fp32: within 1e-5).
+    ``ADAPT_MOE_STRATEGY`` pins one path for reproducible runs."""
 
     def __init__(self, path: Path | str | None = None):
         self.choice: dict[tuple, str] = {}
