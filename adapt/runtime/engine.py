@@ -29,7 +29,7 @@ from adapt.runtime.cache.kv_pool import KVCacheSpec, KVPool, available_memory_by
 from adapt.runtime.kernels import get_kernels
 from adapt.runtime.loader import load_weights, materialize
 from adapt.runtime.models.layers import PACK_DTYPES_ALL, PACK_DTYPES_EXACT, can_prepack, prepack_linears
-from adapt.runtime.model_runner import ModelRunner
+from adapt.runtime.model_runner import ModelRunner, prefill_tiles
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.registry import model_class
 from adapt.runtime.parallel import SINGLE, ParallelContext
@@ -246,7 +246,7 @@ class Engine:
             raise RuntimeConfigError("prefill needs at least one token")
         fb = ForwardBatch("prefill", torch.arange(n, device=self.device), self.kernels,
                           cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-                          capture={} if return_hidden_states else None, attn_tiles=(128, 256) if n <= 1024 else (512, 1024))
+                          capture={} if return_hidden_states else None, attn_tiles=prefill_tiles(n))
         logits = self.runner.execute(ids, fb, None)
         return PrefillOutput(logits, fb.capture or {})
 
