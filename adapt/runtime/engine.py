@@ -26,6 +26,7 @@ from adapt.errors import RuntimeConfigError
 from adapt.layout import WeightLayout
 from adapt.runtime.cache.block_manager import BlockManager
 from adapt.runtime.cache.kv_pool import KVCacheSpec, KVPool, available_memory_bytes
+from adapt.runtime.host_memory import tune_malloc
 from adapt.runtime.kernels import get_kernels
 from adapt.runtime.loader import load_weights, materialize
 from adapt.runtime.models.layers import PACK_DTYPES_ALL, PACK_DTYPES_EXACT, can_prepack, prepack_linears
@@ -145,6 +146,8 @@ class Engine:
             raise RuntimeConfigError(f"--prepack must be auto, exact or off; got {prepack!r}")
         tdtype = resolve_dtype(dtype)
         dev = resolve_device(device, tdtype)
+        if dev.type == "cpu":
+            tune_malloc()  # large temporaries reused, not page-faulted in again (host_memory.py)
         if kv_cache_dtype not in ("auto", "int8"):
             raise RuntimeConfigError(f"--kv-cache-dtype must be auto or int8; got {kv_cache_dtype!r}")
         pinned = os.environ.get(STRATEGY_ENV, "auto")
