@@ -42,6 +42,14 @@ MOE = dict(model_type="qwen3_moe", hidden_size=512, intermediate_size=1024, num_
            mlp_only_layers=[], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
 
 
+def _cpu_model() -> dict:
+    """The CPU's name and the features that decide which kernels win (AMX, AVX-512 bf16 / fp16): results
+    differ between hosts, e.g. a 2-core AMD EPYC and a 2-core AMX Xeon flip the MoE path winners."""
+    caps = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
+    keys = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16", "avx512_f", "avx2")
+    return {"cpu_name": caps.get("cpu_name"), "cpu_features": [k for k in keys if caps.get(k)]}
+
+
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -221,7 +229,7 @@ def main():
     report = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "python": platform.python_version()},
               "hardware": {"device": str(dev), "cpu": platform.processor() or platform.machine(),
-                           "threads": torch.get_num_threads()}}
+                           "threads": torch.get_num_threads(), **_cpu_model()}}
     goals = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
