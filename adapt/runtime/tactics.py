@@ -102,6 +102,8 @@ class Tactics:
             try:
                 return candidates[name](), name
             except (RuntimeError, NotImplementedError):  # e.g. no grouped_mm kernel for this dtype
+                if name == "loop":
+                    raise
                 return candidates["loop"](), "loop"
         if len(candidates) == 1:
             return candidates["loop"](), "loop"
@@ -114,6 +116,8 @@ class Tactics:
             try:
                 outs[cand] = fn()  # warm-up (oneDNN primitive caches, allocator)
             except (RuntimeError, NotImplementedError):  # no kernel for this dtype / layout: not a candidate
+                if cand == "loop":  # the path that always applies failed: a real error, not a missing kernel
+                    raise
                 continue
             live[cand] = float("inf")
         for _ in range(3):  # rounds over the candidates, so that a noisy moment of a shared host hits them all

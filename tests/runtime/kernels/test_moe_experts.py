@@ -314,6 +314,14 @@ def test_a_candidate_that_raises_is_dropped_and_a_bad_pin_is_refused(monkeypatch
     monkeypatch.setenv(STRATEGY_ENV, "fastest")
     with pytest.raises(ValueError, match="ADAPT_MOE_STRATEGY"):
         tac.run(("k3",), {"loop": lambda: None})
+    monkeypatch.delenv(STRATEGY_ENV)
+
+    def failing_loop():
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):  # the always-valid path's error is not hidden
+        tac.run(("k4",), {"grouped": broken, "loop": failing_loop})
+    assert ("k4",) not in tac.choice
 
 
 def test_packing_trial_is_measured_once_per_shape_and_leaves_the_block_alone():
