@@ -41,6 +41,10 @@ def test_operator_alignment_every_kernel(tiny, dtype):
 
     every = [f.name for f in fields(get_kernels("adapt")) if f.name != "impl" and f.name not in SHARED]
     assert out.metrics["kernels"] == len(every) and out.metrics["kernels_without_case"] == 0
+    # every MoE expert path the runtime may pick on this host is checked on its own, against the same twin
+    paths = ["padded", "loop"] + (["grouped"] if hasattr(torch, "_grouped_mm") else [])
+    assert all(f"moe_experts_fused[{p}].max_abs" in out.metrics for p in paths), out.message
+    assert out.metrics["moe_paths_checked"] == len(paths) and "not offered" not in out.message
     if dtype == "float32":
         assert out.metrics["max_abs"] <= 1e-5  # [twin]
     else:

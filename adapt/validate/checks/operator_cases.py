@@ -46,9 +46,10 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
 
 
 def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh: tuple[int, ...] = (),
-          keep_fp32: tuple[int, ...] = (), pack: tuple[int, ...] = ()) -> Case:
+          keep_fp32: tuple[int, ...] = (), pack: tuple[int, ...] = (), transposed: tuple[int, ...] = ()) -> Case:
     """``fresh``: positions cloned per call (caches written in place); ``keep_fp32``: never cast;
-    ``pack``: stacked expert weights [E, N, K], packed per expert for oneDNN after the cast."""
+    ``pack``: stacked expert weights [E, N, K], packed per expert for oneDNN after the cast;
+    ``transposed``: [E, N, K] weights held as views of [E, K, N] storage, as the runtime's MoE holds them."""
     kwargs = kwargs or {}
 
     def make(dtype: torch.dtype):
@@ -61,6 +62,8 @@ def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh
                 if not onednn_packs(y.dtype):
                     raise UnsupportedCase(f"this CPU does not pack {str(y.dtype).replace('torch.', '')} for oneDNN")
                 y = pack_expert_weights(y)
+            if i in transposed:
+                y = y.transpose(1, 2).contiguous().transpose(1, 2)
             a.append(y.clone() if i in fresh else y)
         return a, dict(kwargs)
 
@@ -113,7 +116,7 @@ def build_cases(seed: int = 0) -> dict[str, Case]:
                              keep_fp32=(1,)),
         "moe_experts_fused": _case([rn(t, 32), torch.rand(t, k, generator=g),
                                     torch.randint(0, e, (t, k), generator=g), rn(e, 2 * inter, 32, scale=0.2),
-                                    rn(e, 32, inter, scale=0.2)], keep_fp32=(1,)),
+                                    rn(e, 32, inter, scale=0.2)], keep_fp32=(1,), transposed=(3, 4)),
         "moe_experts_packed": _case([rn(t, 32), torch.rand(t, k, generator=g),
                                      torch.randint(0, e, (t, k), generator=g), rn(e, 2 * inter, 32, scale=0.2),
                                      rn(e, 32, inter, scale=0.2)], keep_fp32=(1,), pack=(3, 4)),

@@ -4,7 +4,10 @@ float32: the kernel and the twin on the same float32 inputs; ``max_abs`` is the 
 all kernels ([twin] ~1e-5). Low precision (FlashAttention's rule): the kernel on inputs cast to the dtype
 against the twin on float32 inputs, divided by the twin itself run in the dtype against float32
 (``max_abs_vs_torch_ratio``; <= 2 passes). Integer outputs (routing ids, int8 codes) count as their
-numeric difference. Kernels without a case are listed, never silently passed.
+numeric difference. Kernels without a case are listed, never silently passed. The MoE expert kernel
+has several paths, and the runtime runs whichever is fastest on the host (adapt/runtime/tactics.py),
+so each path is checked on its own too (``moe_experts_fused[padded]``, ``[grouped]``, ``[loop]``); a
+path the case does not offer here is listed.
 """
 
 from __future__ import annotations
@@ -69,10 +72,13 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
             plain, _ = _err(_run(getattr(twin, n), cases[n], dtype), ref32)
             floor = torch.finfo(dtype).eps * max(float(r.abs().max()) for r in ref32 if r.numel())
             ratio[n] = per[n] / max(plain, floor)
+    paths_not_offered = _check_moe_paths(ker, twin, cases, names, dtype, per, cos, ratio)
     if not per:
         raise Skip("no kernel has an operator case")
     worst = max(per, key=per.get)
-    m: dict[str, Any] = {"max_abs": per[worst], "cosine": min(cos.values()), "kernels": len(per),
+    n_paths = sum("[" in n for n in per)
+    m: dict[str, Any] = {"max_abs": per[worst], "cosine": min(cos.values()), "kernels": len(per) - n_paths,
+                         "moe_paths_checked": n_paths,
                          "kernels_without_case": len(missing), "kernels_unsupported_here": len(unsupported),
                          "worst_kernel": worst,
                          **{f"{n}.max_abs": v for n, v in per.items()}}
@@ -83,4 +89,41 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
         msg += f"; no case for {', '.join(missing)}"
     if unsupported:
         msg += f"; not runnable on this device in {ctx.dtype}: {', '.join(unsupported)}"
+    if paths_not_offered:
+        msg += f"; MoE paths not offered for the case here: {', '.join(paths_not_offered)}"
     return Outcome(m, message=msg)
+
+
+def _check_moe_paths(ker, twin, cases, names, dtype, per, cos, ratio) -> list[str]:
+    """Each path of moe_experts_fused against the twin, pinned with the kernel's ``choose`` hook; returns
+    the paths the case does not offer on this device (they are reported, not passed)."""
+    from adapt.runtime.tactics import STRATEGIES
+
+    n = "moe_experts_fused"
+    if n not in names or n not in cases:
+        return []
+    ref32 = _run(getattr(twin, n), cases[n], torch.float32)
+    missing = []
+    for path in STRATEGIES:
+        ran: list[str] = []
+
+        def pinned(*args, _path=path, _ran=ran, **kwargs):
+            def choose(key, cands):
+                _ran.append(_path if _path in cands else "")
+                return cands[_path]() if _path in cands else cands["loop"]()
+            return getattr(ker, n)(*args, choose=choose, **kwargs)
+
+        try:
+            out = _run(pinned, cases[n], dtype)
+        except RuntimeError:  # e.g. no grouped_mm kernel for this dtype
+            ran = [""]
+        if not ran or "" in ran:  # not offered (off CPU nothing is chosen: the static rule runs)
+            missing.append(path)
+            continue
+        key = f"{n}[{path}]"
+        per[key], cos[key] = _err(out, ref32)
+        if dtype != torch.float32:
+            plain, _ = _err(_run(getattr(twin, n), cases[n], dtype), ref32)
+            floor = torch.finfo(dtype).eps * max(float(r.abs().max()) for r in ref32 if r.numel())
+            ratio[key] = per[key] / max(plain, floor)
+    return missing
