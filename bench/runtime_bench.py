@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapt.runtime.engine import Engine  # noqa: E402
-from adapt.runtime.tactics import TACTICS  # noqa: E402
+from adapt.runtime.tactics import TACTICS, host  # noqa: E402
 from adapt.runtime.models.batch import ForwardBatch  # noqa: E402
 from adapt.runtime.models.layers import linear  # noqa: E402
 from adapt.runtime.sampling import SamplingParams  # noqa: E402
@@ -40,14 +40,6 @@ MOE = dict(model_type="qwen3_moe", hidden_size=512, intermediate_size=1024, num_
            num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=32000, num_experts=32,
            num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True, decoder_sparse_step=1,
            mlp_only_layers=[], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
-
-
-def _cpu_model() -> dict:
-    """The CPU's name and the features that decide which kernels win (AMX, AVX-512 bf16 / fp16): results
-    differ between hosts, e.g. a 2-core AMD EPYC and a 2-core AMX Xeon flip the MoE path winners."""
-    caps = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
-    keys = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16", "avx512_f", "avx2")
-    return {"cpu_name": caps.get("cpu_name"), "cpu_features": [k for k in keys if caps.get(k)]}
 
 
 def _sync(dev):
@@ -229,7 +221,9 @@ def main():
     report = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "python": platform.python_version()},
               "hardware": {"device": str(dev), "cpu": platform.processor() or platform.machine(),
-                           "threads": torch.get_num_threads(), **_cpu_model()}}
+                           "threads": torch.get_num_threads(),
+                           # the CPU model and features (AMX, AVX-512 bf16/fp16) decide which kernels win
+                           "host": host()}}
     goals = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

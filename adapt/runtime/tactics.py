@@ -74,7 +74,7 @@ class Tactics:
         tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
         try:
             f.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"version": 1, "host": _host(), **self._saved}, indent=1, sort_keys=True))
+            tmp.write_text(json.dumps({"version": 1, "host": host(), **self._saved}, indent=1, sort_keys=True))
             os.replace(tmp, f)
         except OSError:
             try:
@@ -87,7 +87,7 @@ class Tactics:
             return Path(self.path)
         from adapt.runtime.init_model import cache_root
 
-        return cache_root() / "tactics" / f"{hashlib.sha256(repr(_host()).encode()).hexdigest()[:16]}.json"
+        return cache_root() / "tactics" / f"{hashlib.sha256(repr(host()).encode()).hexdigest()[:16]}.json"
 
     def run(self, key: tuple, candidates: dict):
         out, self.last = self._run(key, candidates)
@@ -131,7 +131,7 @@ class Tactics:
         return outs[name], name
 
 
-def _host() -> dict:
+def host() -> dict:
     """What a timing depends on besides the call: the CPU model and features, threads, torch."""
     caps = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
     return {"machine": platform.machine(), "cpu": str(caps.get("cpu_name", platform.processor())),

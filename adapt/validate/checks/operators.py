@@ -36,6 +36,24 @@ def _err(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> tuple[float, flo
     return d, c
 
 
+def _twin_refs(twin_fn, case, dtype: torch.dtype) -> tuple[list[torch.Tensor], float | None]:
+    """The twin on float32 inputs, and (low precision) the twin's own error in ``dtype`` against it,
+    floored at one ulp of the largest reference value: the denominator of the 2x rule."""
+    ref32 = _run(twin_fn, case, torch.float32)
+    if dtype == torch.float32:
+        return ref32, None
+    plain, _ = _err(_run(twin_fn, case, dtype), ref32)
+    floor = torch.finfo(dtype).eps * max(float(r.abs().max()) for r in ref32 if r.numel())
+    return ref32, max(plain, floor)
+
+
+def _score(name, out, refs, per, cos, ratio) -> None:
+    ref32, plain = refs
+    per[name], cos[name] = _err(out, ref32)
+    if plain is not None:
+        ratio[name] = per[name] / plain
+
+
 @register_check("operator_alignment")
 def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
     try:
@@ -61,17 +79,13 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
     for n in names:
         if n not in cases:
             continue
-        ref32 = _run(getattr(twin, n), cases[n], torch.float32)
+        refs = _twin_refs(getattr(twin, n), cases[n], dtype)
         try:
             out = _run(getattr(ker, n), cases[n], dtype)
         except UnsupportedCase:
             unsupported.append(n)
             continue
-        per[n], cos[n] = _err(out, ref32)
-        if dtype != torch.float32:
-            plain, _ = _err(_run(getattr(twin, n), cases[n], dtype), ref32)
-            floor = torch.finfo(dtype).eps * max(float(r.abs().max()) for r in ref32 if r.numel())
-            ratio[n] = per[n] / max(plain, floor)
+        _score(n, out, refs, per, cos, ratio)
     paths_not_offered = _check_moe_paths(ker, twin, cases, names, dtype, per, cos, ratio)
     if not per:
         raise Skip("no kernel has an operator case")
@@ -102,7 +116,7 @@ def _check_moe_paths(ker, twin, cases, names, dtype, per, cos, ratio) -> list[st
     n = "moe_experts_fused"
     if n not in names or n not in cases:
         return []
-    ref32 = _run(getattr(twin, n), cases[n], torch.float32)
+    refs = _twin_refs(getattr(twin, n), cases[n], dtype)
     missing = []
     for path in STRATEGIES:
         ran: list[str] = []
@@ -120,10 +134,5 @@ def _check_moe_paths(ker, twin, cases, names, dtype, per, cos, ratio) -> list[st
         if not ran or "" in ran:  # not offered (off CPU nothing is chosen: the static rule runs)
             missing.append(path)
             continue
-        key = f"{n}[{path}]"
-        per[key], cos[key] = _err(out, ref32)
-        if dtype != torch.float32:
-            plain, _ = _err(_run(getattr(twin, n), cases[n], dtype), ref32)
-            floor = torch.finfo(dtype).eps * max(float(r.abs().max()) for r in ref32 if r.numel())
-            ratio[key] = per[key] / max(plain, floor)
+        _score(f"{n}[{path}]", out, refs, per, cos, ratio)
     return missing
