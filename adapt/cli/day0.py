@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from adapt.cli.output import err_console
+from adapt.cli.output import err_console, note_cpu_kernel_build
 
 
 def day0_cmd(
@@ -23,6 +23,9 @@ def day0_cmd(
     """profile -> plan -> shard -> run -> validate -> report; each stage logged with its time and artifact."""
     from adapt.day0 import day0
 
+    import torch
+
+    note_cpu_kernel_build(device or ("cpu" if not torch.cuda.is_available() else "cuda"))  # day0's default device
     res = day0(model, out, log=lambda s: err_console.print(s, markup=False, highlight=False), device=device,
                dtype=dtype, checklist=checklist)
     err_console.print(f"day0 finished in {res.seconds:.1f}s, exit {res.exit_code}: {res.out}/day0.md, "

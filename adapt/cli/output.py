@@ -26,6 +26,17 @@ def emit(text: str, out: Path | None) -> None:
         sys.stdout.flush()
 
 
+def note_cpu_kernel_build(device: str, kernels: str = "adapt") -> None:
+    """One line on stderr when this run will first compile the fused CPU kernels for the host."""
+    if kernels != "adapt" or not str(device).startswith("cpu"):
+        return
+    from adapt.runtime import cpu_kernels
+
+    if cpu_kernels.needs_build():
+        err_console.print("building the fused CPU kernels for this host (once, ~30 s on 2 cores; "
+                          "ADAPT_CPU_KERNELS=0 skips them)", highlight=False)
+
+
 def to_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=False, default=str)
 

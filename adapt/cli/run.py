@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -9,7 +10,7 @@ import typer
 from adapt.cli.launch import (CollectiveStatsOpt, DistBackendOpt, DistTimeoutOpt, MicroBatchesOpt, NnodesOpt,
                               NodeRankOpt, NprocOpt, RdzvOpt, TorchrunArgOpt)
 from adapt.cli.options import DeviceOpt, DtypeOpt, FormatOpt, PrepackOpt
-from adapt.cli.output import check_choice, emit, err_console, to_json
+from adapt.cli.output import check_choice, emit, err_console, note_cpu_kernel_build, to_json
 from adapt.errors import RuntimeConfigError
 
 
@@ -64,6 +65,8 @@ def run(
     mode = launch_or_rank(nproc, nnodes, node_rank, rdzv_endpoint, torchrun_arg)  # multi-rank: see cli/launch.py
     if mode == "launched":
         return
+    if mode != "rank" or os.environ.get("RANK", "0") == "0":
+        note_cpu_kernel_build(device, kernels)
     kw = dict(chat=chat, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               stop=stop, ignore_eos=ignore_eos, device=device, dtype=dtype, kernels=kernels,
               kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, prepack=prepack)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from adapt.cli.options import DeviceOpt, DtypeOpt, PrepackOpt
-from adapt.cli.output import err_console
+from adapt.cli.output import err_console, note_cpu_kernel_build
 
 
 def serve(
@@ -38,6 +38,7 @@ def serve(
     from adapt.runtime.engine import Engine
     from adapt.runtime.server import ServiceConfig, serve as run_service
 
+    note_cpu_kernel_build(device, kernels)
     engine = Engine.from_pretrained(model, device=device, dtype=dtype, kernels=kernels,
                                     kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                                     max_num_seqs=max_num_seqs, max_model_len=max_model_len, prepack=prepack)

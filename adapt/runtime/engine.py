@@ -27,6 +27,7 @@ from adapt.layout import WeightLayout
 from adapt.runtime.cache.block_manager import BlockManager
 from adapt.runtime.cache.kv_pool import KVCacheSpec, KVPool, available_memory_bytes
 from adapt.runtime.host_memory import tune_malloc
+from adapt.runtime import cpu_kernels
 from adapt.runtime.kernels import get_kernels
 from adapt.runtime.loader import load_weights, materialize
 from adapt.runtime.models.layers import PACK_DTYPES_ALL, PACK_DTYPES_EXACT, can_prepack, prepack_linears
@@ -148,6 +149,8 @@ class Engine:
         dev = resolve_device(device, tdtype)
         if dev.type == "cpu":
             tune_malloc()  # large temporaries reused, not page-faulted in again (host_memory.py)
+            if kernels == "adapt":
+                cpu_kernels.load()  # fused CPU kernels, built once per host (cpu_kernels.py)
         if kv_cache_dtype not in ("auto", "int8"):
             raise RuntimeConfigError(f"--kv-cache-dtype must be auto or int8; got {kv_cache_dtype!r}")
         pinned = os.environ.get(STRATEGY_ENV, "auto")
@@ -227,6 +230,8 @@ class Engine:
             "decode_tokens_per_s": round(st["decode_tokens"] / st["decode_s"], 2) if st["decode_s"] else None,
             "time_to_first_token_s": round(ttft, 6) if ttft is not None else None,
             "total_s": round(total_s, 6), "steps": st["steps"], "preemptions": st["preemptions"],
+            "cpu_kernels": (None if self.device.type != "cpu" else cpu_kernels.status() if self.kernels.impl == "adapt"
+                            else "off (--kernels reference)"),
             "kv_cache": {
                 "dtype": "int8" if self.pool.spec.quant == "int8" else str(self.pool.spec.dtype).replace("torch.", ""),
                 "block_size": bs, "blocks_total": self.pool.num_blocks, "blocks_peak_used": st["peak_blocks"],

@@ -45,6 +45,12 @@ def test_operator_alignment_every_kernel(tiny, dtype):
     paths = ["padded", "loop"] + (["grouped"] if hasattr(torch, "_grouped_mm") else [])
     assert all(f"moe_experts_fused[{p}].max_abs" in out.metrics for p in paths), out.message
     assert out.metrics["moe_paths_checked"] == len(paths) and "not offered" not in out.message
+    # where the fused CPU kernels are built, both the fused and the torch form of each are checked
+    from adapt.validate.checks.operators import FUSED
+
+    fused_on = out.metrics["fused_cpu_kernels"].startswith("on (")
+    assert out.metrics["torch_forms_checked"] == (len(FUSED) if fused_on else 0)
+    assert all(f"{n}[torch].max_abs" in out.metrics for n in FUSED) or not fused_on
     if dtype == "float32":
         assert out.metrics["max_abs"] <= 1e-5  # [twin]
     else:

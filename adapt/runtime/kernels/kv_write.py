@@ -8,6 +8,7 @@ the layout is described in paged_attention.py.
 
 import torch
 
+from . import fused
 from .kv_quant import quantize_int8
 
 
@@ -26,6 +27,12 @@ def write_kv_cache(
     the rows are quantized per token and head and the scales written to k_scale / v_scale.
     checked: the caller knows slot_mapping is int64 without negative slots (skips that test per layer)."""
     slots = slot_mapping.to(torch.long)  # [T]
+    ext = fused.module()
+    if (ext is not None and k.device.type == "cpu" and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and k.dtype in (torch.float32, torch.bfloat16) and k.stride(-1) == 1 and v.stride(-1) == 1
+            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and k.shape[0]):
+        ext.write_kv(k, v, k_cache, v_cache, slots.contiguous())  # both caches, one call; negative slots skipped
+        return
     if not checked and bool((slots < 0).any()):  # padding present: drop those rows (decode steps have none)
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]

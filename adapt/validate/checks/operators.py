@@ -7,7 +7,9 @@ against the twin on float32 inputs, divided by the twin itself run in the dtype 
 numeric difference. Kernels without a case are listed, never silently passed. The MoE expert kernel
 has several paths, and the runtime runs whichever is fastest on the host (adapt/runtime/tactics.py),
 so each path is checked on its own too (``moe_experts_fused[padded]``, ``[grouped]``, ``[loop]``); a
-path the case does not offer here is listed.
+path the case does not offer here is listed. Likewise the kernels with a fused CPU form
+(adapt/runtime/cpu_kernels.py, which this check builds or loads as the runtime does): the plain name is
+the form the runtime runs here (fused where it is built), ``name[torch]`` the torch form it falls back to.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from adapt.validate.checklist import Outcome, Skip, register_check
 
 _DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHARED = ("rope_inv_freq", "rope_cos_sin", "mla_softmax_scale", "router_logits")  # no twin: one function
+# kernels with a fused CPU form (kernels/csrc/cpu_kernels.cpp) beside their torch form
+FUSED = ("paged_decode_attention", "write_kv_cache", "rms_norm", "fused_add_rms_norm", "apply_rope", "silu_and_mul")
 
 
 def _run(fn, case, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -65,6 +69,10 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
     dtype = _DT.get(ctx.dtype)
     if dtype is None:
         raise Skip(f"no operator cases for dtype {ctx.dtype}")
+    from adapt.runtime import cpu_kernels
+    from adapt.runtime.kernels import fused
+
+    cpu_kernels.load()  # the cases run on the CPU: check the forms the CPU runtime runs
     ker, twin = get_kernels("adapt"), get_kernels("reference")
     wanted = params.get("kernels", "all")
     names = [f.name for f in fields(ker) if f.name != "impl" and f.name not in SHARED]
@@ -86,13 +94,18 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
             unsupported.append(n)
             continue
         _score(n, out, refs, per, cos, ratio)
+        if n in FUSED and fused.module() is not None:
+            with fused.disabled():
+                _score(f"{n}[torch]", _run(getattr(ker, n), cases[n], dtype), refs, per, cos, ratio)
     paths_not_offered = _check_moe_paths(ker, twin, cases, names, dtype, per, cos, ratio)
     if not per:
         raise Skip("no kernel has an operator case")
     worst = max(per, key=per.get)
-    n_paths = sum("[" in n for n in per)
-    m: dict[str, Any] = {"max_abs": per[worst], "cosine": min(cos.values()), "kernels": len(per) - n_paths,
-                         "moe_paths_checked": n_paths,
+    n_paths = sum("[" in n and not n.endswith("[torch]") for n in per)
+    n_torch = sum(n.endswith("[torch]") for n in per)
+    m: dict[str, Any] = {"max_abs": per[worst], "cosine": min(cos.values()), "kernels": len(per) - n_paths - n_torch,
+                         "moe_paths_checked": n_paths, "torch_forms_checked": n_torch,
+                         "fused_cpu_kernels": cpu_kernels.status(),
                          "kernels_without_case": len(missing), "kernels_unsupported_here": len(unsupported),
                          "worst_kernel": worst,
                          **{f"{n}.max_abs": v for n, v in per.items()}}

@@ -6,6 +6,8 @@ from adapt.runtime.kernels.paged_attention import paged_decode_attention, paged_
 
 from ._tol import assert_fp32_close, assert_lowp_close
 
+pytestmark = pytest.mark.usefixtures("kernel_form")
+
 BS = 4  # tokens per block
 STEP = 2  # blocks per kernel step: chunk boundary every 8 tokens
 # length 1, at / one past a block, at / one past a chunk, ragged

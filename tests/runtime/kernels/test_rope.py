@@ -15,6 +15,8 @@ from adapt.runtime.kernels.rope import apply_rope, apply_rope_ref, rope_cos_sin,
 
 from ._tol import assert_fp32_close
 
+pytestmark = pytest.mark.usefixtures("kernel_form")
+
 THETA = 500000.0
 SCALINGS = {
     "default": {"rope_type": "default"},

@@ -1,0 +1,33 @@
+"""The handle of the fused CPU kernels (csrc/cpu_kernels.cpp), which adapt.runtime.cpu_kernels builds for
+the host and installs here; until then, or when they cannot be built, ``module()`` is None and every
+kernel runs its torch form. A kernel calls the fused one only for tensors it takes (CPU, float32 or
+bfloat16, the layouts it reads) and falls back to its torch form otherwise.
+"""
+
+_module = None
+_off = 0  # depth of `disabled()` blocks
+
+
+def module():
+    """The installed extension module, or None (not built, not buildable, turned off, or disabled())."""
+    return None if _off else _module
+
+
+def install(mod) -> None:
+    """Make ``mod`` (the built extension, or None to remove it) the fused kernels of this process."""
+    global _module
+    _module = mod
+
+
+class disabled:
+    """``with disabled():`` runs the torch form of every kernel (tests compare the two)."""
+
+    def __enter__(self):
+        global _off
+        _off += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _off
+        _off -= 1
+        return False
