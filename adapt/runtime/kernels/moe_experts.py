@@ -35,6 +35,8 @@ on a 2-core AMD EPYC; slower than the stacked paths on a 2-core AMX Xeon).
 import torch
 import torch.nn.functional as F
 
+from . import fused
+from .activation import silu_and_mul
 from .rows import bucket_rows, pad_rows
 from .rows import take_rows as _take_rows
 
@@ -77,8 +79,7 @@ def moe_experts_fused(
     def expert(ei: int, xs: torch.Tensor, out: torch.Tensor) -> None:
         n = xs.shape[0]
         m = bucket_rows(n) if xs.dtype in _LOWP and xs.device.type == "cpu" else n  # oneDNN: bucketed rows
-        gu = F.linear(pad_rows(xs, m), w_gate_up[ei])  # [m, 2I]
-        act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [m, I]
+        act = silu_and_mul(F.linear(pad_rows(xs, m), w_gate_up[ei]))  # [m, I]
         if m == n:
             torch.matmul(act, w_down[ei].t(), out=out)  # [n, H]
         else:
@@ -88,7 +89,7 @@ def moe_experts_fused(
         # torch._grouped_mm, one call per projection (offered only where this build has it)
         offs = torch.tensor(counts[:e], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)  # [S', 2I]
-        return torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], w_down.transpose(1, 2), offs=offs)
+        return torch._grouped_mm(silu_and_mul(gu), w_down.transpose(1, 2), offs=offs)
 
     padded = (lambda x, s, counts: _padded_ok(x, s, counts, e, w_gate_up, w_down),
               lambda x, weights, tokens, order, local, counts: _padded_experts(
@@ -116,8 +117,7 @@ def moe_experts_packed(
         n = xs.shape[0]
         gu = torch.ops.mkldnn._linear_pointwise(pad_rows(xs, bucket_rows(n)), w_gate_up[ei], None, "none", [],
                                                 "")  # [m, 2I], rows bucketed
-        y = torch.ops.mkldnn._linear_pointwise(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down[ei],
-                                               None, "none", [], "")  # [m, H]
+        y = torch.ops.mkldnn._linear_pointwise(silu_and_mul(gu), w_down[ei], None, "none", [], "")  # [m, H]
         out.copy_(y[:n])
 
     return _grouped(x, weights, ids, e, expert_offset, expert, shape=("packed", inter), choose=choose)
@@ -183,6 +183,16 @@ def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
     if x.dtype in _LOWP and x.device.type == "cpu":  # oneDNN's batched GEMM: bucketed rows (rows.py)
         c = bucket_rows(c)
     dev = x.device
+    t, k = weights.shape
+    ext = fused.module()
+    if ext is not None and s == t * k and dev.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        # fused CPU kernels: the padded rows and each slot's row in one pass, the combine in another
+        cnt = torch.tensor(counts[:e])
+        xp, pos = ext.moe_pad_gather(x.contiguous(), order, cnt, k, c)  # [E*C, H], [S]
+        gu = torch.bmm(xp.view(e, c, h), w_gate_up.transpose(1, 2)).view(e * c, i2)  # [E*C, 2I]
+        act = ext.silu_and_mul(gu, cnt, c)  # [E*C, I], padding rows skipped (zeros)
+        hp = torch.bmm(act.view(e, c, inter), w_down.transpose(1, 2))  # [E, C, H]
+        return ext.moe_combine(hp.view(e * c, h), pos, weights.float().contiguous())
     local_sorted = local.index_select(0, order)  # [S'] expert of each sorted slot
     starts = [0] * e  # first sorted slot of each expert
     for j in range(1, e):
@@ -191,9 +201,7 @@ def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
     dest = local_sorted * c + torch.arange(s, device=dev) - starts.index_select(0, local_sorted)  # [S']
     src = torch.zeros(e * c, dtype=torch.long, device=dev).index_copy_(0, dest, tokens)  # [E*C] token per row
     xp = _take_rows(x, src).view(e, c, h)  # [E, C, H]
-    gu = torch.bmm(xp, w_gate_up.transpose(1, 2))  # [E, C, 2I]
-    act = F.silu(gu[..., :inter]).mul_(gu[..., inter:])  # [E, C, I]
-    t, k = weights.shape
+    act = silu_and_mul(torch.bmm(xp, w_gate_up.transpose(1, 2)))  # [E, C, I]
     hp = torch.bmm(act, w_down.transpose(1, 2))  # [E, C, H]
     if s == t * k:  # every slot is served here: gather each token's K rows and sum them, no scatter
         pos = torch.empty_like(dest).index_copy_(0, order, dest)  # [T*K] padded row of slot (t, k)
@@ -229,6 +237,11 @@ def _grouped(x, weights, ids, e, expert_offset, expert, grouped=None, padded=Non
         return xs_cache[0]
 
     def combine(ys: torch.Tensor) -> torch.Tensor:  # ys [S', H] -> out [T, H]
+        ext = fused.module()
+        if ext is not None and served == t * k and x.device.type == "cpu" and ys.dtype in (torch.float32,
+                                                                                          torch.bfloat16):
+            pos = torch.empty_like(order).index_copy_(0, order, torch.arange(served, device=x.device))  # [S]
+            return ext.moe_combine(ys.contiguous(), pos, weights.float().contiguous())  # fused, float32 sums
         slot_w = weights.reshape(-1).index_select(0, order).float()  # [S']
         out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
         out.index_add_(0, tokens, ys.float().mul_(slot_w[:, None]))

@@ -6,6 +6,8 @@ from adapt.runtime.kernels.moe_experts import (moe_experts, moe_experts_fused, m
 
 from ._tol import assert_fp32_close, assert_lowp_close
 
+pytestmark = pytest.mark.usefixtures("kernel_form")
+
 T, K, E, HID, INTER = 13, 2, 6, 16, 24
 
 

@@ -386,9 +386,17 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 
 // ---------------------------------------------------------------------------------------------------
 // silu(gate) * up of x [..., 2I] = cat(gate, up): silu rounds to T, then the product does.
-torch::Tensor silu_and_mul(torch::Tensor x) {
+// With counts [E] and C (the padded MoE layout, rows e * C + j), only rows j < counts[e] are computed and
+// the padding rows are zeros.
+torch::Tensor silu_and_mul(torch::Tensor x, c10::optional<torch::Tensor> counts, int64_t C) {
   TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "silu_and_mul: contiguous x [..., 2I]");
   const int64_t I = x.size(-1) / 2, rows = I ? x.numel() / (2 * I) : 0;
+  const int64_t* cnt = nullptr;
+  if (counts.has_value()) {
+    TORCH_CHECK(counts->scalar_type() == at::kLong && counts->is_contiguous() && C > 0 && counts->numel() * C == rows,
+                "silu_and_mul: int64 counts [E] with E * C rows");
+    cnt = counts->data_ptr<int64_t>();
+  }
   auto sizes = x.sizes().vec();
   sizes.back() = I;
   auto out = torch::empty(sizes, x.options());
@@ -402,6 +410,10 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
         const T* g = xp + r * 2 * I;
         const T* u = g + I;
         T* o = op + r * I;
+        if (cnt && r % C >= cnt[r / C]) {  // a padding row
+          std::memset(static_cast<void*>(o), 0, I * sizeof(T));
+          continue;
+        }
         int64_t i = 0;
 #ifdef ADAPT_V16
         const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
@@ -501,13 +513,101 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   });
 }
 
+// ---------------------------------------------------------------------------------------------------
+// MoE: the padded layout of the routed tokens and the weighted combine.
+// Slots s = t * K + k sorted by expert (``order`` [S], ``counts`` [E] per expert, every slot served);
+// expert e's rows are e * C .. e * C + counts[e] - 1 of the padded [E * C, H] input, the rest zeros.
+// Returns (xp [E * C, H], pos [S]: the padded row of slot s).
+std::vector<torch::Tensor> moe_pad_gather(torch::Tensor x, torch::Tensor order, torch::Tensor counts, int64_t K,
+                                          int64_t C) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && order.scalar_type() == at::kLong && order.is_contiguous() &&
+                  counts.scalar_type() == at::kLong && counts.is_contiguous(),
+              "moe_pad_gather: contiguous x [T, H], int64 order [S] and counts [E]");
+  const int64_t E = counts.numel(), S = order.numel(), H = x.size(1), T = x.size(0);
+  const int64_t* ord = order.data_ptr<int64_t>();
+  const int64_t* cnt = counts.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(cnt[e] >= 0 && cnt[e] <= C, "moe_pad_gather: an expert has more rows than C");
+    total += cnt[e];
+  }
+  TORCH_CHECK(total == S && S == T * K, "moe_pad_gather: counts must cover every slot");
+  auto xp = torch::empty({E * C, H}, x.options());
+  auto pos = torch::empty({S}, order.options());
+  int64_t* pp = pos.data_ptr<int64_t>();
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + cnt[e];
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t j = 0; j < cnt[e]; ++j) {
+      const int64_t slot = ord[start[e] + j];
+      TORCH_CHECK(slot >= 0 && slot < S, "moe_pad_gather: slot out of range");
+      pp[slot] = e * C + j;
+    }
+  const int64_t bytes = H * x.element_size();
+  const char* xs = static_cast<const char*>(x.data_ptr());
+  char* xd = static_cast<char*>(xp.data_ptr());
+  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e) {
+      for (int64_t j = 0; j < cnt[e]; ++j)
+        std::memcpy(xd + (e * C + j) * bytes, xs + (ord[start[e] + j] / K) * bytes, bytes);
+      std::memset(xd + (e * C + cnt[e]) * bytes, 0, (C - cnt[e]) * bytes);
+    }
+  });
+  return {xp, pos};
+}
+
+// out[t] = sum_k w[t, k] * ys[pos[t * K + k]], summed in float32 in k order, rounded once to ys' dtype.
+torch::Tensor moe_combine(torch::Tensor ys, torch::Tensor pos, torch::Tensor w) {
+  TORCH_CHECK(ys.dim() == 2 && ys.is_contiguous() && pos.scalar_type() == at::kLong && pos.is_contiguous() &&
+                  w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && pos.numel() == w.numel(),
+              "moe_combine: contiguous ys [R, H], int64 pos [T * K], float32 weights [T, K]");
+  const int64_t T = w.size(0), K = w.size(1), H = ys.size(1), R = ys.size(0);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T * K; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < R, "moe_combine: row out of range");
+  auto out = torch::empty({T, H}, ys.options());
+  const float* wp = w.data_ptr<float>();
+  float_or_bf16(ys, "moe_combine", [&](auto tag) {
+    using X = decltype(tag);
+    const X* yp = ys.data_ptr<X>();
+    X* op = out.data_ptr<X>();
+    at::parallel_for(0, T, grain(H * K), [&](int64_t t0, int64_t t1) {
+      std::vector<float> acc(H);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t k = 0; k < K; ++k) {
+          const X* row = yp + pp[t * K + k] * H;
+          const float wk = wp[t * K + k];
+          int64_t i = 0;
+#ifdef ADAPT_V16
+          const __m512 vw = _mm512_set1_ps(wk);
+          for (; i + 16 <= H; i += 16)
+            _mm512_storeu_ps(acc.data() + i, _mm512_add_ps(_mm512_loadu_ps(acc.data() + i),
+                                                           _mm512_mul_ps(vw, load16(row + i))));
+#endif
+          for (; i < H; ++i) acc[i] += wk * f32(row[i]);
+        }
+        X* o = op + t * H;
+        int64_t i = 0;
+#ifdef ADAPT_V16
+        for (; i + 16 <= H; i += 16) store16(o + i, _mm512_loadu_ps(acc.data() + i));
+#endif
+        for (; i < H; ++i) o[i] = from_f32<X>(acc[i]);
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
-  m.def("silu_and_mul", &silu_and_mul);
+  m.def("silu_and_mul", &silu_and_mul, pybind11::arg("x"), pybind11::arg("counts") = pybind11::none(),
+        pybind11::arg("C") = 0);
   m.def("rope_rotate_half", &rope_rotate_half);
   m.def("write_kv", &write_kv);
+  m.def("moe_pad_gather", &moe_pad_gather);
+  m.def("moe_combine", &moe_combine);
 }
