@@ -102,3 +102,44 @@ def test_engine_tokens_equal_with_and_without_fused_kernels(tmp_path_factory, dt
     else:  # bfloat16 rounding of differently summed attention and norms can flip a near-tie token
         assert torch.equal(logits_f.argmax(-1), logits_t.argmax(-1))
         assert torch.nn.functional.cosine_similarity(logits_f, logits_t, dim=-1).min().item() > 0.999
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs Linux, a C++ compiler and ninja")
+def test_fused_attention_refuses_tables_that_leave_the_cache():
+    # the fused kernel reads cache rows in place: a bad block id or a length past the table is an error,
+    # never an out-of-bounds read
+    from adapt.runtime.kernels.paged_attention import paged_decode_attention
+
+    assert cpu_kernels.load() is not None
+    q, k = torch.randn(2, 4, 16), torch.randn(6, 4, 2, 16)
+    tables = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)  # block 9 of 6
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged_decode_attention(q, k, k, tables, torch.tensor([5, 6], dtype=torch.int32), 0.25)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        paged_decode_attention(q, k, k, tables[:, :1], torch.tensor([5, 3], dtype=torch.int32), 0.25)
+
+
+def test_fused_kernels_step_aside_for_autograd():
+    from adapt.runtime.kernels.activation import silu_and_mul
+    from adapt.runtime.kernels.norm import rms_norm
+
+    x = torch.randn(3, 16, requires_grad=True)
+    w = torch.ones(16, requires_grad=True)
+    (rms_norm(x, w).sum() + silu_and_mul(x).sum()).backward()
+    assert x.grad is not None and w.grad is not None
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs Linux, a C++ compiler and ninja")
+def test_fused_attention_ignores_released_blocks_before_the_window():
+    # a sliding-window sequence's blocks before its window may be released (-1): they are never read
+    from adapt.runtime.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+
+    assert cpu_kernels.load() is not None
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 16, generator=g)
+    k, v = torch.randn(6, 4, 2, 16, generator=g), torch.randn(6, 4, 2, 16, generator=g)
+    tables = torch.tensor([[-1, -1, 4, 1]], dtype=torch.int32)
+    lens = torch.tensor([15], dtype=torch.int32)
+    got = paged_decode_attention(q, k, v, tables, lens, 0.25, window=6)
+    want = paged_decode_attention_ref(q, k, v, tables.clamp(min=0), lens, 0.25, window=6)
+    assert (got - want).abs().max().item() < 1e-5

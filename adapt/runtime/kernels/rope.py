@@ -141,7 +141,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
     ext = fused.module()
     if (ext is not None and layout == "rotate_half" and rd == x.shape[-1] and x.dim() == 3 and x.device.type == "cpu"
             and x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == sin.dtype == x.dtype and x.stride(-1) == 1
-            and x.numel() and cos.shape == (x.shape[0], rd) and sin.shape == cos.shape):
+            and x.numel() and cos.shape == (x.shape[0], rd) and sin.shape == cos.shape and not x.requires_grad):
         return ext.rope_rotate_half(x, cos.contiguous(), sin.contiguous())  # one pass, bitwise the torch form
     if rd < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rd], cos, sin, layout), x[..., rd:]), dim=-1)

@@ -15,6 +15,8 @@ from adapt.runtime.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 from ._tol import assert_fp32_close, assert_lowp_close
 
+pytestmark = pytest.mark.usefixtures("kernel_form")
+
 H, R, DN, DR, DV = 4, 16, 16, 8, 12
 BS = 4
 LENS = [1, BS, BS + 1, 9]

@@ -280,12 +280,27 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const float* ks = nullptr;
   const float* vs = nullptr;
   if (k_scale.has_value()) {
-    TORCH_CHECK(k_scale->is_contiguous() && k_scale->scalar_type() == at::kFloat, "paged_decode: k_scale");
+    TORCH_CHECK(k_scale->is_contiguous() && k_scale->scalar_type() == at::kFloat &&
+                    k_scale->numel() == k_cache.size(0) * k_cache.size(1) * k_cache.size(2),
+                "paged_decode: k_scale must be contiguous float32 [NB, BS, Hkv]");
     ks = k_scale->data_ptr<float>();
   }
   if (v_scale.has_value()) {
-    TORCH_CHECK(v_scale->is_contiguous() && v_scale->scalar_type() == at::kFloat, "paged_decode: v_scale");
+    TORCH_CHECK(v_scale->is_contiguous() && v_scale->scalar_type() == at::kFloat &&
+                    v_scale->numel() == v_cache.size(0) * v_cache.size(1) * v_cache.size(2),
+                "paged_decode: v_scale must be contiguous float32 [NB, BS, Hkv]");
     vs = v_scale->data_ptr<float>();
+  }
+  // every block a sequence reads (its window's) must be in the table and in the cache (rows are read in place)
+  TORCH_CHECK(lens.numel() == q.size(0) && tables.size(0) == q.size(0), "paged_decode: one table row per sequence");
+  const int64_t BS = k_cache.size(1), NB = std::min(k_cache.size(0), v_cache.size(0));
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    const int64_t n = idx(lens, b);
+    TORCH_CHECK(n >= 0 && n <= tables.size(1) * BS, "paged_decode: seq_len ", n, " exceeds its block table");
+    for (int64_t j = window > 0 ? std::max<int64_t>(0, n - window) / BS : 0; j < (n + BS - 1) / BS; ++j) {
+      const int64_t blk = idx(tables, b * tables.size(1) + j);
+      TORCH_CHECK(blk >= 0 && blk < NB, "paged_decode: block ", blk, " outside the cache");
+    }
   }
   auto out = torch::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
   if (q.scalar_type() == at::kFloat) {
