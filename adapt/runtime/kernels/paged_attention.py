@@ -82,9 +82,10 @@ def paged_decode_attention(
             and k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16, torch.int8)
             and (k_cache.dtype == torch.int8) == (k_scale is not None) == (v_scale is not None)
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and b > 0 and not q.requires_grad):
-        # one task per (sequence, kv head) reading the cache rows in place: no gathered copy, no casts
-        return ext.paged_decode(q if q.stride(-1) == 1 else q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
-                                scale, k_scale, v_scale, int(window or 0))
+        # tasks of (sequence, kv heads) reading the cache rows in place: no gathered copy, no casts
+        return ext.paged_decode(q if q.stride(-1) == 1 else q.contiguous(), k_cache, v_cache,
+                                block_tables.contiguous(), seq_lens.contiguous(), scale, k_scale, v_scale,
+                                int(window or 0))
     if meta is None:
         meta = decode_meta(block_tables, seq_lens, bs, blocks_per_step)
     seq_lens, num_blocks = meta.seq_lens, meta.num_blocks

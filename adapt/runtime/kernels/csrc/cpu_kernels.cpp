@@ -104,7 +104,8 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 vp = _mm512_set1_ps(p);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
 #endif
   for (; i < n; ++i) y[i] += p * x[i];
 }
@@ -134,8 +135,8 @@ template <> inline __m512 rnd16<float>(__m512 v) { return v; }
 template <> inline __m512 rnd16<bf16>(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 fi = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                       _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 t = _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(fi, _mm512_set1_ps(0.693359375f))),
                                  _mm512_mul_ps(fi, _mm512_set1_ps(-2.12194440e-4f)));
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
@@ -250,16 +251,16 @@ void decode_q(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
   Q* op = out.data_ptr<Q>();
   switch (k.scalar_type()) {
     case at::kFloat:
-      decode_impl<Q, float>(qp, qst, k.data_ptr<float>(), v.data_ptr<float>(), tables, lens, ks, vs, op, B, Hq, Hkv, D, Dv,
-                            BS, kst, vst, scale, window);
+      decode_impl<Q, float>(qp, qst, k.data_ptr<float>(), v.data_ptr<float>(), tables, lens, ks, vs, op, B, Hq, Hkv,
+                        D, Dv, BS, kst, vst, scale, window);
       break;
     case at::kBFloat16:
-      decode_impl<Q, bf16>(qp, qst, k.data_ptr<bf16>(), v.data_ptr<bf16>(), tables, lens, ks, vs, op, B, Hq, Hkv, D, Dv,
-                           BS, kst, vst, scale, window);
+      decode_impl<Q, bf16>(qp, qst, k.data_ptr<bf16>(), v.data_ptr<bf16>(), tables, lens, ks, vs, op, B, Hq, Hkv,
+                        D, Dv, BS, kst, vst, scale, window);
       break;
     case at::kChar:
-      decode_impl<Q, int8_t>(qp, qst, k.data_ptr<int8_t>(), v.data_ptr<int8_t>(), tables, lens, ks, vs, op, B, Hq, Hkv, D,
-                             Dv, BS, kst, vst, scale, window);
+      decode_impl<Q, int8_t>(qp, qst, k.data_ptr<int8_t>(), v.data_ptr<int8_t>(), tables, lens, ks, vs, op, B, Hq, Hkv,
+                        D, Dv, BS, kst, vst, scale, window);
       break;
     default:
       TORCH_CHECK(false, "paged_decode: cache dtype must be float32, bfloat16 or int8");
