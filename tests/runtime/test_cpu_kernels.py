@@ -143,3 +143,33 @@ def test_fused_attention_ignores_released_blocks_before_the_window():
     got = paged_decode_attention(q, k, v, tables, lens, 0.25, window=6)
     want = paged_decode_attention_ref(q, k, v, tables.clamp(min=0), lens, 0.25, window=6)
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs Linux, a C++ compiler and ninja")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [20, 40, 100])  # the 16-lane bodies, their scalar tails, tails alone
+def test_fused_elementwise_kernels_equal_their_torch_forms_at_odd_widths(dtype, width):
+    # all round where the torch ops round: RoPE and the residual sum are bitwise in both dtypes; SiLU's exp
+    # and RMSNorm's mean are within a few float32 ulp of torch's (bitwise after bfloat16 rounding here)
+    from adapt.runtime.kernels.activation import silu_and_mul
+    from adapt.runtime.kernels.norm import fused_add_rms_norm, rms_norm
+    from adapt.runtime.kernels.rope import apply_rope
+
+    assert cpu_kernels.load() is not None
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(7, 3 * width, generator=g) * 3).to(dtype)
+    qk = x[:, : 2 * width].view(7, 2, width)  # a strided view, as the fused qkv projection gives
+    cos, sin = (torch.randn(7, width, generator=g).to(dtype) for _ in range(2))
+    r = torch.randn(7, 3 * width, generator=g).to(dtype)
+    w = (torch.rand(3 * width, generator=g) + 0.5).to(dtype)
+    fused_out = [apply_rope(qk, cos, sin), silu_and_mul(x[:, : 2 * width].contiguous()), rms_norm(x, w),
+                 *fused_add_rms_norm(x, r, w)]
+    with fused.disabled():
+        torch_out = [apply_rope(qk, cos, sin), silu_and_mul(x[:, : 2 * width].contiguous()), rms_norm(x, w),
+                     *fused_add_rms_norm(x, r, w)]
+    for i, (a, b) in enumerate(zip(fused_out, torch_out)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if dtype == torch.bfloat16 or i in (0, 4):
+            assert torch.equal(a, b), i
+        else:
+            assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item()), i
