@@ -14,9 +14,11 @@ source) into ``DIR/<key>/``, where key hashes the source, torch's and Python's v
 model and features (the build uses -march=native). DIR is ``$ADAPT_CPU_KERNELS_DIR``, by default
 ``$ADAPT_CACHE/cpu-kernels``. A later process imports the cached library directly. A missing compiler or
 a failed build leaves the torch kernels in use: ``load`` returns None and ``status()`` says why.
-``ADAPT_CPU_KERNELS=0`` turns the fused kernels off. Several processes building at once are serialized by
-a lock that a killed process releases (torch's own lock file would then stay and hang the next build; it
-is removed under ours).
+``ADAPT_CPU_KERNELS=0`` turns the fused kernels off. Several processes building at once (the ranks of a
+first multi-rank run) are serialized by a lock that a killed process releases (torch's own lock file
+would then stay and hang the next build; it is removed under ours). A build is used only once its
+library's size and sha256 are recorded beside it, so a library cut short by a kill while linking is
+built again rather than mapped.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import platform
 import sys
@@ -70,7 +73,7 @@ def needs_build() -> bool:
         key = _key()
     except OSError:
         return False
-    return not (build_dir() / key / f"adapt_cpu_{key}.so").is_file()
+    return not _complete(build_dir() / key / f"adapt_cpu_{key}.so")
 
 
 def _key() -> str:
@@ -99,7 +102,7 @@ def load(root: Path | str | None = None):
         build = Path(root) / key if root is not None else build_dir() / key
         build.mkdir(parents=True, exist_ok=True)
         lib = build / f"{name}.so"
-        mod = _import(name, lib) if lib.is_file() else _build(name, build)
+        mod = _import(name, lib) if _complete(lib) else _build(name, build)
     except Exception as e:  # no compiler, no ninja, a failed build, an unwritable cache: torch kernels
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         _status = f"unavailable ({type(e).__name__}: {first[:160]})"
@@ -107,6 +110,16 @@ def load(root: Path | str | None = None):
     fused.install(mod)
     _status = f"on ({lib})"
     return mod
+
+
+def _complete(lib: Path) -> bool:
+    """Whether ``lib`` is a finished build: its size and sha256 as recorded after the build returned (a
+    library cut short by a kill while linking would crash the process that maps it)."""
+    try:
+        rec = json.loads(lib.with_suffix(".ok").read_text())
+        return lib.stat().st_size == rec["size"] and hashlib.sha256(lib.read_bytes()).hexdigest() == rec["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _import(name: str, lib: Path):
@@ -122,10 +135,17 @@ def _build(name: str, build: Path):
 
     from torch.utils.cpp_extension import load as torch_load
 
+    lib = build / f"{name}.so"
     with open(build / ".adapt-build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
-        if (build / f"{name}.so").is_file():
-            return _import(name, build / f"{name}.so")  # another process built it while we waited
+        if _complete(lib):
+            return _import(name, lib)  # another process built it while we waited
         (build / "lock").unlink(missing_ok=True)  # torch's baton, stale if it exists while we hold ours
-        return torch_load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                          build_directory=str(build), verbose=False)
+        lib.unlink(missing_ok=True)  # unrecorded: perhaps cut short; ninja would take it as up to date
+        mod = torch_load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                         build_directory=str(build), verbose=False)
+        rec = json.dumps({"size": lib.stat().st_size, "sha256": hashlib.sha256(lib.read_bytes()).hexdigest()})
+        tmp = lib.with_suffix(".ok.tmp")
+        tmp.write_text(rec)
+        os.replace(tmp, lib.with_suffix(".ok"))  # the commit point of the build
+        return mod

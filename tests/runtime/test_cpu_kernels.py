@@ -173,3 +173,24 @@ def test_fused_elementwise_kernels_equal_their_torch_forms_at_odd_widths(dtype, 
             assert torch.equal(a, b), i
         else:
             assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item()), i
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs Linux, a C++ compiler and ninja")
+def test_concurrent_first_builds_and_a_truncated_library(tmp_path, monkeypatch, uninstalled):
+    # the ranks of a first multi-rank run all load at once: one builds, the others wait and import it
+    src = tmp_path / "tiny.cpp"
+    src.write_text(TINY_SOURCE + "// concurrent\n")  # its own key: a module name this process has not loaded
+    root = tmp_path / "build"
+    probe = ("from pathlib import Path; from adapt.runtime import cpu_kernels as c; "
+             f"c.SOURCE = Path({str(src)!r}); m = c.load(Path({str(root)!r})); print(m.answer() if m else c.status())")
+    procs = [subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-300:] for o in outs]
+    assert [o[0].strip() for o in outs] == ["42"] * 3
+    # a library cut short (a kill while linking) is rebuilt, not left to fail every later load
+    monkeypatch.setattr(cpu_kernels, "SOURCE", src)
+    lib = root / cpu_kernels._key() / f"adapt_cpu_{cpu_kernels._key()}.so"
+    lib.write_bytes(lib.read_bytes()[:4096])
+    mod = cpu_kernels.load(root)
+    assert mod is not None and mod.answer() == 42, cpu_kernels.status()
