@@ -194,3 +194,22 @@ def test_concurrent_first_builds_and_a_truncated_library(tmp_path, monkeypatch, 
     lib.write_bytes(lib.read_bytes()[:4096])
     mod = cpu_kernels.load(root)
     assert mod is not None and mod.answer() == 42, cpu_kernels.status()
+
+
+def test_scalar_builds_leave_silu_and_rope_to_torch(uninstalled):
+    # a build without AVX-512 runs scalar loops: SiLU (an exp per element) and RoPE stay with torch there
+    from types import SimpleNamespace
+
+    from adapt.runtime.kernels.activation import silu_and_mul
+    from adapt.runtime.kernels.rope import apply_rope
+
+    def boom(*a, **k):
+        raise AssertionError("the scalar build's kernel was called")
+
+    fused.install(SimpleNamespace(VECTOR="none", silu_and_mul=boom, rope_rotate_half=boom))
+    x = torch.randn(3, 8)
+    assert torch.equal(silu_and_mul(x), torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
+    q, c = torch.randn(3, 2, 8), torch.randn(3, 8)
+    with fused.disabled():
+        want = apply_rope(q, c, c)
+    assert torch.equal(apply_rope(q, c, c), want)

@@ -190,7 +190,7 @@ def _padded_experts(x, weights, tokens, order, local, counts, w_gate_up, w_down)
         cnt = torch.tensor(counts[:e])
         xp, pos = ext.moe_pad_gather(x.contiguous(), order, cnt, k, c)  # [E*C, H], [S]
         gu = torch.bmm(xp.view(e, c, h), w_gate_up.transpose(1, 2)).view(e * c, i2)  # [E*C, 2I]
-        act = ext.silu_and_mul(gu, cnt, c)  # [E*C, I], padding rows skipped (zeros)
+        act = ext.silu_and_mul(gu, cnt, c) if fused.vectorized() else silu_and_mul(gu)  # [E*C, I]
         hp = torch.bmm(act.view(e, c, inter), w_down.transpose(1, 2))  # [E, C, H]
         return ext.moe_combine(hp.view(e * c, h), pos, weights.float().contiguous())
     local_sorted = local.index_select(0, order)  # [S'] expert of each sorted slot

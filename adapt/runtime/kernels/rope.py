@@ -138,7 +138,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
     """Rotate x [T, H, D] by cos/sin [T, Dr]. The first Dr dims are rotated and the remaining D - Dr
     pass through (partial rotary, neox convention); for DeepSeek pass only the rope slice q[..., Dn:]."""
     rd = cos.shape[-1]
-    ext = fused.module()
+    ext = fused.vectorized()
     if (ext is not None and layout == "rotate_half" and rd == x.shape[-1] and x.dim() == 3 and x.device.type == "cpu"
             and x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == sin.dtype == x.dtype and x.stride(-1) == 1
             and x.numel() and cos.shape == (x.shape[0], rd) and sin.shape == cos.shape and not x.requires_grad):

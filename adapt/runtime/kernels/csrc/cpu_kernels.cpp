@@ -617,6 +617,11 @@ torch::Tensor moe_combine(torch::Tensor ys, torch::Tensor pos, torch::Tensor w) 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#ifdef ADAPT_V16
+  m.attr("VECTOR") = "avx512";
+#else
+  m.attr("VECTOR") = "none";  // the scalar loops: exp-heavy kernels lose to torch's vectorized ones
+#endif
   m.def("paged_decode", &paged_decode);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
