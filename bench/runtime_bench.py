@@ -248,6 +248,10 @@ def main():
                         "ratio_vs_grouped_mm", r512.get("ratio_vs_eager", 0)) >= 2
                 sec[name] = res
                 del eng
+    from adapt.runtime import cpu_kernels
+
+    # whether adapt's fused CPU kernels ran (built per host at the first engine load; torch forms otherwise)
+    report["hardware"]["cpu_kernels"] = cpu_kernels.status() if dev.type == "cpu" else None
     report["goals_met"] = goals
     print(json.dumps(report, indent=2))
 
