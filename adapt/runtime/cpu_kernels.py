@@ -40,6 +40,13 @@ ENV = "ADAPT_CPU_KERNELS"
 DIR_ENV = "ADAPT_CPU_KERNELS_DIR"
 SOURCE = Path(fused.__file__).with_name("csrc") / "cpu_kernels.cpp"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+FLAGS_ENV = "ADAPT_CPU_KERNELS_CFLAGS"  # extra compiler flags, e.g. -mno-avx512f to build the AVX2 form
+
+
+def cflags() -> list[str]:
+    import shlex
+
+    return CFLAGS + shlex.split(os.environ.get(FLAGS_ENV, ""))
 
 _status = "not loaded"
 
@@ -80,7 +87,7 @@ def _key() -> str:
     caps = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
     h = hashlib.sha256(SOURCE.read_bytes())
     h.update(repr((torch.__version__, sys.version_info[:2], platform.machine(), str(caps.get("cpu_name", "")),
-                   sorted(k for k, v in caps.items() if v is True), CFLAGS)).encode())
+                   sorted(k for k, v in caps.items() if v is True), cflags())).encode())
     return h.hexdigest()[:16]
 
 
@@ -142,7 +149,7 @@ def _build(name: str, build: Path):
             return _import(name, lib)  # another process built it while we waited
         (build / "lock").unlink(missing_ok=True)  # torch's baton, stale if it exists while we hold ours
         lib.unlink(missing_ok=True)  # unrecorded: perhaps cut short; ninja would take it as up to date
-        mod = torch_load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        mod = torch_load(name, [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
                          build_directory=str(build), verbose=False)
         rec = json.dumps({"size": lib.stat().st_size, "sha256": hashlib.sha256(lib.read_bytes()).hexdigest()})
         tmp = lib.with_suffix(".ok.tmp")

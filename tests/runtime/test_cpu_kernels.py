@@ -213,3 +213,18 @@ def test_scalar_builds_leave_silu_and_rope_to_torch(uninstalled):
     with fused.disabled():
         want = apply_rope(q, c, c)
     assert torch.equal(apply_rope(q, c, c), want)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CAN_BUILD or platform.machine() != "x86_64", reason="needs x86-64 Linux, a C++ compiler, ninja")
+@pytest.mark.parametrize("isa,flags", [("avx2", "-mno-avx512f"), ("none", "-mno-avx512f -mno-avx2 -mno-fma")])
+def test_kernels_on_lesser_x86_builds(tmp_path, isa, flags):
+    # the AVX2 form and the scalar form of the fused kernels, built on this host, pass the kernel tests
+    env = dict(os.environ, ADAPT_CPU_KERNELS_CFLAGS=flags, ADAPT_CPU_KERNELS_DIR=str(tmp_path / "build"))
+    probe = "from adapt.runtime import cpu_kernels as c; m = c.load(); print(m.VECTOR if m else c.status())"
+    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
+    assert got.stdout.strip() == isa, got.stdout + got.stderr[-500:]
+    here = os.path.dirname(__file__)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(here, "kernels"),
+                          __file__, "-m", "not slow"], capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stdout[-2000:]

@@ -22,7 +22,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -71,19 +71,126 @@ inline float exp_f32(float x) {
   return p * scale;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// The vector layer: VW float32 lanes (16 with AVX-512, 8 with AVX2 + FMA), loads of float32 / bfloat16,
+// stores rounding to nearest even (as the scalar helpers), exp as exp_f32. Without either, the scalar
+// loops run (and silu / rope stay with torch: see kernels/fused.py).
+#if defined(__AVX512F__)
+#define ADAPT_VW 16
+constexpr int64_t VW = 16;
+using vf = __m512;
+using vi = __m512i;
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vloadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstoreu(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf vfloor(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf fi) {  // 2^fi for integral fi in the normal range
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fi), _mm512_set1_epi32(127)), 23));
+}
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const bf16* p) {
+  const vi w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline vi bf16_bitsv(vf f) {  // as bf16_bits, per lane
+  const vi u = _mm512_castps_si512(f);
+  const vi lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const vi r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const vi nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_blend_epi32(isnan, r, nan);
+}
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void vstore(bf16* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bitsv(v)));
+}
+inline vf bf16_as_f32(vi bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ADAPT_VW 8
+constexpr int64_t VW = 8;
+using vf = __m256;
+using vi = __m256i;
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vloadu(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstoreu(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vf v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+inline vf vfloor(vf v) { return _mm256_floor_ps(v); }
+inline vf vpow2i(vf fi) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fi), _mm256_set1_epi32(127)), 23));
+}
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const bf16* p) {
+  const vi w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline vi bf16_bitsv(vf f) {
+  const vi u = _mm256_castps_si256(f);
+  const vi lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const vi r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const vi nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  // both sides below 2^31: the signed compare is the unsigned one
+  const vi isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(r, nan, isnan);
+}
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline void vstore(bf16* p, vf v) {
+  const vi b = bf16_bitsv(v);  // 8 x u32, each <= 0xFFFF
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline vf bf16_as_f32(vi bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)); }
+#endif
+
+#ifdef ADAPT_VW
+template <typename T> inline vf vrnd(vf v);
+template <> inline vf vrnd<float>(vf v) { return v; }
+template <> inline vf vrnd<bf16>(vf v) { return bf16_as_f32(bf16_bitsv(v)); }
+inline vf vexp(vf x) {  // exp_f32, per lane
+  x = vmin(vmax(x, vset1(-87.3f)), vset1(88.7f));
+  const vf fi = vfloor(vadd(vmul(x, vset1(1.44269504088896341f)), vset1(0.5f)));
+  const vf r = vsub(vsub(x, vmul(fi, vset1(0.693359375f))), vmul(fi, vset1(-2.12194440e-4f)));
+  vf p = vset1(1.9875691500e-4f);
+  p = vadd(vmul(p, r), vset1(1.3981999507e-3f));
+  p = vadd(vmul(p, r), vset1(8.3334519073e-3f));
+  p = vadd(vmul(p, r), vset1(4.1665795894e-2f));
+  p = vadd(vmul(p, r), vset1(1.6666665459e-1f));
+  p = vadd(vmul(p, r), vset1(5.0000001201e-1f));
+  p = vadd(vadd(vmul(vmul(p, r), r), r), vset1(1.0f));
+  return vmul(p, vpow2i(fi));
+}
+#endif
+
 // one cache row (n values) as float32, times its scale (int8 caches; 1 otherwise)
 template <typename T> inline void row_f32(const T* src, float* dst, int64_t n, float s) {
   for (int64_t i = 0; i < n; ++i) dst[i] = f32(src[i]) * s;
 }
 template <> inline void row_f32<bf16>(const bf16* src, float* dst, int64_t n, float s) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const uint16_t* u = reinterpret_cast<const uint16_t*>(src);
-  const __m512 vs = _mm512_set1_ps(s);
-  for (; i + 16 <= n; i += 16) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + i)));
-    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), vs));
-  }
+#ifdef ADAPT_VW
+  const vf vs = vset1(s);
+  for (; i + VW <= n; i += VW) vstoreu(dst + i, vmul(vload(src + i), vs));
 #endif
   for (; i < n; ++i) dst[i] = f32(src[i]) * s;
 }
@@ -91,10 +198,10 @@ template <> inline void row_f32<bf16>(const bf16* src, float* dst, int64_t n, fl
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float r = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  r = _mm512_reduce_add_ps(acc);
+#ifdef ADAPT_VW
+  vf acc = vzero();
+  for (; i + VW <= n; i += VW) acc = vfma(vloadu(a + i), vloadu(b + i), acc);
+  r = vsum(acc);
 #endif
   for (; i < n; ++i) r += a[i] * b[i];
   return r;
@@ -102,55 +209,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 inline void axpy(float p, const float* x, float* y, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 vp = _mm512_set1_ps(p);
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#ifdef ADAPT_VW
+  const vf vp = vset1(p);
+  for (; i + VW <= n; i += VW) vstoreu(y + i, vfma(vp, vloadu(x + i), vloadu(y + i)));
 #endif
   for (; i < n; ++i) y[i] += p * x[i];
 }
-
-#if defined(__AVX512F__)
-// 16 lanes: load as float32, store rounding to nearest even (as the scalar helpers), exp as exp_f32
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-inline __m512i bf16_bits16(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                  _mm512_set1_epi32(0x7F800000));
-  return _mm512_mask_blend_epi32(isnan, r, nan);
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(bf16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
-}
-template <typename T> inline __m512 rnd16(__m512 v);
-template <> inline __m512 rnd16<float>(__m512 v) { return v; }
-template <> inline __m512 rnd16<bf16>(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 t = _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(fi, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(fi, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fi), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#define ADAPT_V16 1
-#endif
 
 int64_t idx(const torch::Tensor& t, int64_t i) {
   return t.scalar_type() == at::kInt ? t.data_ptr<int32_t>()[i] : t.data_ptr<int64_t>()[i];
@@ -221,9 +285,9 @@ void decode_impl(const Q* q, std::array<int64_t, 2> qst, const C* kc, const C* v
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
         int64_t j0 = 0;
-#ifdef ADAPT_V16
-        for (; j0 + 16 <= n; j0 += 16)
-          _mm512_storeu_ps(sg + j0, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j0), _mm512_set1_ps(m))));
+#ifdef ADAPT_VW
+        for (; j0 + VW <= n; j0 += VW)
+          vstoreu(sg + j0, vexp(vsub(vloadu(sg + j0), vset1(m))));
 #endif
         for (int64_t j = j0; j < n; ++j) sg[j] = exp_f32(sg[j] - m);
         float sum = 0.f;
@@ -326,11 +390,11 @@ void norm_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t
         const T* rr = res + r * H;
         T* nr = new_res + r * H;
         int64_t i = 0;
-#ifdef ADAPT_V16
-        for (; i + 16 <= H; i += 16) {
-          const __m512 v = rnd16<T>(_mm512_add_ps(load16(rr + i), load16(xr + i)));
-          store16(nr + i, v);
-          _mm512_storeu_ps(h.data() + i, v);
+#ifdef ADAPT_VW
+        for (; i + VW <= H; i += VW) {
+          const vf v = vrnd<T>(vadd(vload(rr + i), vload(xr + i)));
+          vstore(nr + i, v);
+          vstoreu(h.data() + i, v);
         }
 #endif
         for (; i < H; ++i) {
@@ -339,14 +403,14 @@ void norm_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t
         }
       } else {
         int64_t i = 0;
-#ifdef ADAPT_V16
-        for (; i + 16 <= H; i += 16) _mm512_storeu_ps(h.data() + i, load16(xr + i));
+#ifdef ADAPT_VW
+        for (; i + VW <= H; i += VW) vstoreu(h.data() + i, vload(xr + i));
 #endif
         for (; i < H; ++i) h[i] = f32(xr[i]);
       }
       float part[16] = {0.f};
       int64_t i = 0;
-      for (; i + 16 <= H; i += 16)
+      for (; i + 16 <= H; i += 16)  // 16 independent partial sums: vectorizes without reassociation
         for (int l = 0; l < 16; ++l) part[l] += h[i + l] * h[i + l];
       float ss = 0.f;
       for (int l = 0; l < 16; ++l) ss += part[l];
@@ -354,10 +418,10 @@ void norm_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
       T* o = out + r * H;
       int64_t k = 0;
-#ifdef ADAPT_V16
-      const __m512 vinv = _mm512_set1_ps(inv);
-      for (; k + 16 <= H; k += 16)
-        store16(o + k, _mm512_mul_ps(load16(w + k), rnd16<T>(_mm512_mul_ps(_mm512_loadu_ps(h.data() + k), vinv))));
+#ifdef ADAPT_VW
+      const vf vinv = vset1(inv);
+      for (; k + VW <= H; k += VW)
+        vstore(o + k, vmul(vload(w + k), vrnd<T>(vmul(vloadu(h.data() + k), vinv))));
 #endif
       for (; k < H; ++k) o[k] = from_f32<T>(f32(w[k]) * rnd<T>(h[k] * inv));
     }
@@ -431,12 +495,12 @@ torch::Tensor silu_and_mul(torch::Tensor x, c10::optional<torch::Tensor> counts,
           continue;
         }
         int64_t i = 0;
-#ifdef ADAPT_V16
-        const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
-        for (; i + 16 <= I; i += 16) {
-          const __m512 a = load16(g + i);
-          const __m512 s = rnd16<T>(_mm512_div_ps(a, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, a)))));
-          store16(o + i, _mm512_mul_ps(s, load16(u + i)));
+#ifdef ADAPT_VW
+        const vf one = vset1(1.f), zero = vzero();
+        for (; i + VW <= I; i += VW) {
+          const vf a = vload(g + i);
+          const vf s = vrnd<T>(vdiv(a, vadd(one, vexp(vsub(zero, a)))));
+          vstore(o + i, vmul(s, vload(u + i)));
         }
 #endif
         for (; i < I; ++i) {
@@ -474,14 +538,14 @@ torch::Tensor rope_rotate_half(torch::Tensor x, torch::Tensor cos, torch::Tensor
         const T* s = sp + tok * D;
         T* o = op + r * D;
         int64_t i = 0;
-#ifdef ADAPT_V16
-        for (; i + 16 <= half; i += 16) {
-          const __m512 x1 = load16(xr + i), x2 = load16(xr + i + half);
-          const __m512 nx2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
-          store16(o + i, _mm512_add_ps(rnd16<T>(_mm512_mul_ps(x1, load16(c + i))),
-                                       rnd16<T>(_mm512_mul_ps(nx2, load16(s + i)))));
-          store16(o + i + half, _mm512_add_ps(rnd16<T>(_mm512_mul_ps(x2, load16(c + i + half))),
-                                              rnd16<T>(_mm512_mul_ps(x1, load16(s + i + half)))));
+#ifdef ADAPT_VW
+        for (; i + VW <= half; i += VW) {
+          const vf x1 = vload(xr + i), x2 = vload(xr + i + half);
+          const vf nx2 = vsub(vzero(), x2);
+          vstore(o + i, vadd(vrnd<T>(vmul(x1, vload(c + i))),
+                                       vrnd<T>(vmul(nx2, vload(s + i)))));
+          vstore(o + i + half, vadd(vrnd<T>(vmul(x2, vload(c + i + half))),
+                                              vrnd<T>(vmul(x1, vload(s + i + half)))));
         }
 #endif
         for (; i < half; ++i) {
@@ -594,18 +658,18 @@ torch::Tensor moe_combine(torch::Tensor ys, torch::Tensor pos, torch::Tensor w) 
           const X* row = yp + pp[t * K + k] * H;
           const float wk = wp[t * K + k];
           int64_t i = 0;
-#ifdef ADAPT_V16
-          const __m512 vw = _mm512_set1_ps(wk);
-          for (; i + 16 <= H; i += 16)
-            _mm512_storeu_ps(acc.data() + i, _mm512_add_ps(_mm512_loadu_ps(acc.data() + i),
-                                                           _mm512_mul_ps(vw, load16(row + i))));
+#ifdef ADAPT_VW
+          const vf vw = vset1(wk);
+          for (; i + VW <= H; i += VW)
+            vstoreu(acc.data() + i, vadd(vloadu(acc.data() + i),
+                                                           vmul(vw, vload(row + i))));
 #endif
           for (; i < H; ++i) acc[i] += wk * f32(row[i]);
         }
         X* o = op + t * H;
         int64_t i = 0;
-#ifdef ADAPT_V16
-        for (; i + 16 <= H; i += 16) store16(o + i, _mm512_loadu_ps(acc.data() + i));
+#ifdef ADAPT_VW
+        for (; i + VW <= H; i += VW) vstore(o + i, vloadu(acc.data() + i));
 #endif
         for (; i < H; ++i) o[i] = from_f32<X>(acc[i]);
       }
@@ -617,8 +681,10 @@ torch::Tensor moe_combine(torch::Tensor ys, torch::Tensor pos, torch::Tensor w) 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-#ifdef ADAPT_V16
+#if ADAPT_VW == 16
   m.attr("VECTOR") = "avx512";
+#elif ADAPT_VW == 8
+  m.attr("VECTOR") = "avx2";
 #else
   m.attr("VECTOR") = "none";  // the scalar loops: exp-heavy kernels lose to torch's vectorized ones
 #endif
