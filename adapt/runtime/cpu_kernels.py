@@ -18,7 +18,8 @@ a failed build leaves the torch kernels in use: ``load`` returns None and ``stat
 first multi-rank run) are serialized by a lock that a killed process releases (torch's own lock file
 would then stay and hang the next build; it is removed under ours). A build is used only once its
 library's size and sha256 are recorded beside it, so a library cut short by a kill while linking is
-built again rather than mapped.
+built again rather than mapped. A build that fails (no usable compiler) is recorded too, and later
+processes do not try again until its directory is deleted.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def cflags() -> list[str]:
     return CFLAGS + shlex.split(os.environ.get(FLAGS_ENV, ""))
 
 _status = "not loaded"
+_failed = False  # this process tried and could not: the torch kernels, without trying again
 
 
 def wanted() -> bool:
@@ -94,12 +96,14 @@ def _key() -> str:
 def load(root: Path | str | None = None):
     """Build (if needed), import and install the fused kernels; the module, or None with the reason in
     ``status()`` (the torch kernels then stay in use). Idempotent, and cheap once built."""
-    global _status
+    global _status, _failed
     if not wanted():
         fused.install(None)
         return None
     if fused._module is not None:
         return fused._module
+    if _failed:
+        return None
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         _status = f"unavailable (no build for {platform.machine()})"
         return None
@@ -109,9 +113,15 @@ def load(root: Path | str | None = None):
         build = Path(root) / key if root is not None else build_dir() / key
         build.mkdir(parents=True, exist_ok=True)
         lib = build / f"{name}.so"
+        failed = build / f"{name}.failed"
+        if not _complete(lib) and failed.is_file():  # a build of this source on this host failed before
+            _failed = True
+            _status = f"unavailable (the build failed earlier: {failed.read_text()[:160]}; delete {build} to retry)"
+            return None
         mod = _import(name, lib) if _complete(lib) else _build(name, build)
     except Exception as e:  # no compiler, no ninja, a failed build, an unwritable cache: torch kernels
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        _failed = True
         _status = f"unavailable ({type(e).__name__}: {first[:160]})"
         return None
     fused.install(mod)
@@ -149,8 +159,13 @@ def _build(name: str, build: Path):
             return _import(name, lib)  # another process built it while we waited
         (build / "lock").unlink(missing_ok=True)  # torch's baton, stale if it exists while we hold ours
         lib.unlink(missing_ok=True)  # unrecorded: perhaps cut short; ninja would take it as up to date
-        mod = torch_load(name, [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
-                         build_directory=str(build), verbose=False)
+        try:
+            mod = torch_load(name, [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
+                             build_directory=str(build), verbose=False)
+        except Exception as e:  # remembered, so that later processes do not spend the build time again
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            (build / f"{name}.failed").write_text(f"{type(e).__name__}: {first}")
+            raise
         rec = json.dumps({"size": lib.stat().st_size, "sha256": hashlib.sha256(lib.read_bytes()).hexdigest()})
         tmp = lib.with_suffix(".ok.tmp")
         tmp.write_text(rec)

@@ -26,11 +26,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", []() { return 42; });
 @pytest.fixture
 def uninstalled():
     """No fused module in this process for the test's duration (restored after)."""
-    saved, status = fused._module, cpu_kernels._status
+    saved, status, failed = fused._module, cpu_kernels._status, cpu_kernels._failed
     fused.install(None)
+    cpu_kernels._failed = False
     yield
     fused.install(saved)
-    cpu_kernels._status = status
+    cpu_kernels._status, cpu_kernels._failed = status, failed
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs Linux, a C++ compiler and ninja")
@@ -56,6 +57,11 @@ def test_failed_build_leaves_the_torch_kernels(tmp_path, monkeypatch, uninstalle
     monkeypatch.setattr(cpu_kernels, "SOURCE", bad)
     assert cpu_kernels.load(tmp_path / "build") is None and fused.module() is None
     assert cpu_kernels.status().startswith("unavailable (")
+    # remembered: in this process, and for the next one (no second build attempt)
+    assert cpu_kernels.load(tmp_path / "build") is None
+    assert list((tmp_path / "build").glob("*/*.failed"))
+    cpu_kernels._failed = False
+    assert cpu_kernels.load(tmp_path / "build") is None and "failed earlier" in cpu_kernels.status()
     x = torch.randn(3, 8)
     from adapt.runtime.kernels.norm import rms_norm
     assert torch.equal(rms_norm(x, torch.ones(8)), torch.nn.functional.rms_norm(x, (8,), eps=1e-6))
