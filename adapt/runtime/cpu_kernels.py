@@ -87,7 +87,9 @@ def needs_build() -> bool:
 
 def _key() -> str:
     caps = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for f in [SOURCE] + sorted(SOURCE.parent.glob("*.h")):  # the module and the headers it includes
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     h.update(repr((torch.__version__, sys.version_info[:2], platform.machine(), str(caps.get("cpu_name", "")),
                    sorted(k for k, v in caps.items() if v is True), cflags())).encode())
     return h.hexdigest()[:16]
@@ -150,7 +152,7 @@ def _import(name: str, lib: Path):
 def _build(name: str, build: Path):
     import fcntl
 
-    from torch.utils.cpp_extension import load as torch_load
+    from torch.utils.cpp_extension import load as build_extension
 
     lib = build / f"{name}.so"
     with open(build / ".adapt-build.lock", "w") as lock:
@@ -160,7 +162,7 @@ def _build(name: str, build: Path):
         (build / "lock").unlink(missing_ok=True)  # torch's baton, stale if it exists while we hold ours
         lib.unlink(missing_ok=True)  # unrecorded: perhaps cut short; ninja would take it as up to date
         try:
-            mod = torch_load(name, [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
+            mod = build_extension(name, [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
                              build_directory=str(build), verbose=False)
         except Exception as e:  # remembered, so that later processes do not spend the build time again
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -1,0 +1,94 @@
+// MoE: the padded layout of the routed tokens and the weighted combine.
+#pragma once
+
+#include "common.h"
+
+namespace adapt_cpu {
+
+// ---------------------------------------------------------------------------------------------------
+// MoE: the padded layout of the routed tokens and the weighted combine.
+// Slots s = t * K + k sorted by expert (``order`` [S], ``counts`` [E] per expert, every slot served);
+// expert e's rows are e * C .. e * C + counts[e] - 1 of the padded [E * C, H] input, the rest zeros.
+// Returns (xp [E * C, H], pos [S]: the padded row of slot s).
+std::vector<torch::Tensor> moe_pad_gather(torch::Tensor x, torch::Tensor order, torch::Tensor counts, int64_t K,
+                                          int64_t C) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && order.scalar_type() == at::kLong && order.is_contiguous() &&
+                  counts.scalar_type() == at::kLong && counts.is_contiguous(),
+              "moe_pad_gather: contiguous x [T, H], int64 order [S] and counts [E]");
+  const int64_t E = counts.numel(), S = order.numel(), H = x.size(1), T = x.size(0);
+  const int64_t* ord = order.data_ptr<int64_t>();
+  const int64_t* cnt = counts.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(cnt[e] >= 0 && cnt[e] <= C, "moe_pad_gather: an expert has more rows than C");
+    total += cnt[e];
+  }
+  TORCH_CHECK(total == S && S == T * K, "moe_pad_gather: counts must cover every slot");
+  auto xp = torch::empty({E * C, H}, x.options());
+  auto pos = torch::empty({S}, order.options());
+  int64_t* pp = pos.data_ptr<int64_t>();
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + cnt[e];
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t j = 0; j < cnt[e]; ++j) {
+      const int64_t slot = ord[start[e] + j];
+      TORCH_CHECK(slot >= 0 && slot < S, "moe_pad_gather: slot out of range");
+      pp[slot] = e * C + j;
+    }
+  const int64_t bytes = H * x.element_size();
+  const char* xs = static_cast<const char*>(x.data_ptr());
+  char* xd = static_cast<char*>(xp.data_ptr());
+  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e) {
+      for (int64_t j = 0; j < cnt[e]; ++j)
+        std::memcpy(xd + (e * C + j) * bytes, xs + (ord[start[e] + j] / K) * bytes, bytes);
+      std::memset(xd + (e * C + cnt[e]) * bytes, 0, (C - cnt[e]) * bytes);
+    }
+  });
+  return {xp, pos};
+}
+
+// out[t] = sum_k w[t, k] * ys[pos[t * K + k]], summed in float32 in k order, rounded once to ys' dtype.
+torch::Tensor moe_combine(torch::Tensor ys, torch::Tensor pos, torch::Tensor w) {
+  TORCH_CHECK(ys.dim() == 2 && ys.is_contiguous() && pos.scalar_type() == at::kLong && pos.is_contiguous() &&
+                  w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && pos.numel() == w.numel(),
+              "moe_combine: contiguous ys [R, H], int64 pos [T * K], float32 weights [T, K]");
+  const int64_t T = w.size(0), K = w.size(1), H = ys.size(1), R = ys.size(0);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T * K; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < R, "moe_combine: row out of range");
+  auto out = torch::empty({T, H}, ys.options());
+  const float* wp = w.data_ptr<float>();
+  float_or_bf16(ys, "moe_combine", [&](auto tag) {
+    using X = decltype(tag);
+    const X* yp = ys.data_ptr<X>();
+    X* op = out.data_ptr<X>();
+    at::parallel_for(0, T, grain(H * K), [&](int64_t t0, int64_t t1) {
+      std::vector<float> acc(H);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t k = 0; k < K; ++k) {
+          const X* row = yp + pp[t * K + k] * H;
+          const float wk = wp[t * K + k];
+          int64_t i = 0;
+#ifdef ADAPT_VW
+          const vf vw = vset1(wk);
+          for (; i + VW <= H; i += VW)
+            vstoreu(acc.data() + i, vadd(vloadu(acc.data() + i),
+                                                           vmul(vw, vload(row + i))));
+#endif
+          for (; i < H; ++i) acc[i] += wk * f32(row[i]);
+        }
+        X* o = op + t * H;
+        int64_t i = 0;
+#ifdef ADAPT_VW
+        for (; i + VW <= H; i += VW) vstore(o + i, vloadu(acc.data() + i));
+#endif
+        for (; i < H; ++i) o[i] = from_f32<X>(acc[i]);
+      }
+    });
+  });
+  return out;
+}
+
+
+}  // namespace adapt_cpu
