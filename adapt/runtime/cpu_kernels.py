@@ -49,6 +49,7 @@ def cflags() -> list[str]:
 
     return CFLAGS + shlex.split(os.environ.get(FLAGS_ENV, ""))
 
+
 _status = "not loaded"
 _failed = False  # this process tried and could not: the torch kernels, without trying again
 
@@ -75,14 +76,15 @@ def build_dir() -> Path:
 
 
 def needs_build() -> bool:
-    """Whether ``load()`` would compile (wanted, not loaded, not in the build cache)."""
-    if not wanted() or fused._module is not None:
+    """Whether ``load()`` would compile (wanted, not loaded, neither built nor failed before)."""
+    if not wanted() or fused._module is not None or _failed:
         return False
     try:
         key = _key()
     except OSError:
         return False
-    return not _complete(build_dir() / key / f"adapt_cpu_{key}.so")
+    lib = build_dir() / key / f"adapt_cpu_{key}.so"
+    return not _complete(lib) and not lib.with_suffix(".failed").is_file()
 
 
 def _key() -> str:
@@ -115,20 +117,24 @@ def load(root: Path | str | None = None):
         build = Path(root) / key if root is not None else build_dir() / key
         build.mkdir(parents=True, exist_ok=True)
         lib = build / f"{name}.so"
-        failed = build / f"{name}.failed"
-        if not _complete(lib) and failed.is_file():  # a build of this source on this host failed before
+        failed = lib.with_suffix(".failed")
+        complete = _complete(lib)
+        if not complete and failed.is_file():  # a build of this source on this host failed before
             _failed = True
             _status = f"unavailable (the build failed earlier: {failed.read_text()[:160]}; delete {build} to retry)"
             return None
-        mod = _import(name, lib) if _complete(lib) else _build(name, build)
+        mod = _import(name, lib) if complete else _build(name, build)
     except Exception as e:  # no compiler, no ninja, a failed build, an unwritable cache: torch kernels
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         _failed = True
-        _status = f"unavailable ({type(e).__name__}: {first[:160]})"
+        _status = f"unavailable ({_first_line(e)[:200]})"
         return None
     fused.install(mod)
     _status = f"on ({lib})"
     return mod
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def _complete(lib: Path) -> bool:
@@ -165,8 +171,7 @@ def _build(name: str, build: Path):
             mod = build_extension(name, [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
                              build_directory=str(build), verbose=False)
         except Exception as e:  # remembered, so that later processes do not spend the build time again
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            (build / f"{name}.failed").write_text(f"{type(e).__name__}: {first}")
+            lib.with_suffix(".failed").write_text(_first_line(e))
             raise
         rec = json.dumps({"size": lib.stat().st_size, "sha256": hashlib.sha256(lib.read_bytes()).hexdigest()})
         tmp = lib.with_suffix(".ok.tmp")

@@ -57,8 +57,8 @@ def test_failed_build_leaves_the_torch_kernels(tmp_path, monkeypatch, uninstalle
     monkeypatch.setattr(cpu_kernels, "SOURCE", bad)
     assert cpu_kernels.load(tmp_path / "build") is None and fused.module() is None
     assert cpu_kernels.status().startswith("unavailable (")
-    # remembered: in this process, and for the next one (no second build attempt)
-    assert cpu_kernels.load(tmp_path / "build") is None
+    # remembered: in this process, and for the next one (no second build attempt, no "building" note)
+    assert cpu_kernels.load(tmp_path / "build") is None and not cpu_kernels.needs_build()
     assert list((tmp_path / "build").glob("*/*.failed"))
     cpu_kernels._failed = False
     assert cpu_kernels.load(tmp_path / "build") is None and "failed earlier" in cpu_kernels.status()
