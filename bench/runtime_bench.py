@@ -138,7 +138,8 @@ def moe_layer(hf, eng, dev, args):
         with torch.inference_mode():
             ours = timed(lambda: ours_block(x, fb), dev, args.repeat * 3)
             row = {"adapt_ms": round(ours * 1e3, 3),
-                   "adapt_path": "packed loop" if ours_block.packed is not None else TACTICS.last}
+                   "adapt_path": ("tiled kernel" if ours_block.tiled is not None else
+                                  "packed loop" if ours_block.packed is not None else TACTICS.last)}
             for impl in impls:
                 try:
                     hf.set_experts_implementation(impl) if hasattr(hf, "set_experts_implementation") else \

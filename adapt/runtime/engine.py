@@ -141,7 +141,8 @@ class Engine:
         free device memory (CPU: at most 512 MiB). kv_cache_dtype: 'auto' (the model dtype) or 'int8'.
         prepack: on CPU, pack linear weights once for oneDNN: 'auto' for every dtype it packs (bfloat16 /
         float16 give F.linear's results bitwise, float32 sums in another order, a few ulp away, about twice
-        as fast), 'exact' only the bitwise-exact dtypes, 'off' never.
+        as fast), and MoE experts for the fused tiled CPU kernel where a trial says it wins (not bitwise either),
+        'exact' only the bitwise-exact dtypes, 'off' never.
         """
         if prepack not in ("auto", "exact", "off"):
             raise RuntimeConfigError(f"--prepack must be auto, exact or off; got {prepack!r}")
@@ -167,7 +168,8 @@ class Engine:
         materialize(net, dev, tdtype)
         load_weights(net, spec, layout, ctx, src.reader, presliced=src.presliced)
         if prepack != "off" and can_prepack(dev):
-            prepack_linears(net, PACK_DTYPES_ALL if prepack == "auto" else PACK_DTYPES_EXACT)
+            prepack_linears(net, PACK_DTYPES_ALL if prepack == "auto" else PACK_DTYPES_EXACT,
+                            tiled=prepack == "auto" and kernels == "adapt")
         net.eval()
         max_len = max_model_len or spec.max_position_embeddings
         pool = _make_pool(spec, net, ctx, dev, tdtype, kv_cache_memory, kv_cache_dtype, block_size, max_len,

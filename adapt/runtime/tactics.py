@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from adapt.runtime.kernels.moe_experts import moe_experts_fused, moe_experts_packed, pack_expert_weights
+from adapt.runtime.kernels.moe_tiled import moe_experts_tiled, pack_tiled, tiled_panel
 
 STRATEGIES = ("padded", "grouped", "loop")
 STRATEGY_ENV = "ADAPT_MOE_STRATEGY"  # auto (default): measured; or one of STRATEGIES where it applies
@@ -146,21 +147,28 @@ _PACK_TRIALS: dict[tuple, bool] = {}
 _TRIAL_TOKENS = (4, 128)
 
 
-def packing_wins(block, dtype: torch.dtype) -> bool:
-    """Whether moe_experts_packed beats the stacked kernel (its paths measured by TACTICS) on ``block``'s
+def packing_wins(block, dtype: torch.dtype, form: str = "onednn") -> bool:
+    """Whether the packed experts of ``form`` (moe_experts_packed for "onednn", moe_experts_tiled for
+    "tiled") beat the stacked kernel (its paths measured by TACTICS) on ``block``'s
     experts (a models.moe.MoE) on this host: both timed
     (best of three after a warm-up) on random tokens with skewed routing (expert e drawn with weight
     1 / (e + 1)) at _TRIAL_TOKENS tokens; packed wins when its geometric-mean time ratio is below 1.
     Measured once per (dtype, experts, hidden, intermediate, top-k) and host (TACTICS' timing cache), on
     copies of the weights, so the block is untouched."""
     e, h, inter, k = len(block.experts), block.hidden_size, block.num_inter, block.moe.top_k
-    key = (dtype, e, h, inter, k)
+    key = (dtype, e, h, inter, k) if form == "onednn" else (dtype, e, h, inter, k, form)
     if key not in _PACK_TRIALS and isinstance(TACTICS.recall("packing", key), bool):
         _PACK_TRIALS[key] = TACTICS.recall("packing", key)
     if key not in _PACK_TRIALS:
         g = torch.Generator().manual_seed(0)
         gu, dn = block.w_gate_up.detach(), block.w_down.detach()
-        pg, pd = pack_expert_weights(gu), pack_expert_weights(dn)
+        if form == "tiled":
+            p = tiled_panel(dtype)
+            pg, pd = pack_tiled(gu, p), pack_tiled(dn, p)
+            packed = moe_experts_tiled
+        else:
+            pg, pd = pack_expert_weights(gu), pack_expert_weights(dn)
+            packed = moe_experts_packed
         probs = 1.0 / torch.arange(1, e + 1, dtype=torch.float32)
         log_ratio = 0.0
         for t in _TRIAL_TOKENS:
@@ -169,7 +177,7 @@ def packing_wins(block, dtype: torch.dtype) -> bool:
             w = torch.rand(t, ids.shape[1], generator=g).to(dtype)
             best = []
             for fn in (lambda: moe_experts_fused(x, w, ids, gu, dn, block.expert_offset, TACTICS.run),
-                       lambda: moe_experts_packed(x, w, ids, pg, pd, block.expert_offset)):
+                       lambda: packed(x, w, ids, pg, pd, block.expert_offset)):
                 with torch.inference_mode():
                     fn()
                     ts = []

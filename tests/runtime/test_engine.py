@@ -187,7 +187,7 @@ def test_prepacked_fp32_linears_stay_within_fp32_tolerance(which, request, monke
 
     if not can_prepack(torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN linear")
-    monkeypatch.setattr(moe_mod, "packing_wins", lambda block, dtype: True)
+    monkeypatch.setattr(moe_mod, "packing_wins", lambda block, dtype, form="onednn": form == "onednn")
     path = request.getfixturevalue(which)
     packed = Engine.from_pretrained(path, kv_cache_memory="16MiB")
     exact = Engine.from_pretrained(path, kv_cache_memory="16MiB", prepack="exact")
@@ -205,6 +205,35 @@ def test_prepacked_fp32_linears_stay_within_fp32_tolerance(which, request, monke
     assert all(m.packed is not None and m.w_gate_up is None for m in moes)  # float32 experts packed too
     assert not any(m.packed is not None for m in exact.model.modules() if hasattr(m, "pack_experts"))
     assert (which == "k2") == bool(moes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiled_moe_experts_keep_tokens_and_logits(k2, dtype, monkeypatch):
+    # the fused tiled MoE kernel (moe_gemm.h) where its trial wins, pinned to "wins" here: the same greedy
+    # tokens as the unpacked model in float32 and logits within float32 tolerance; never under 'exact'
+    import adapt.runtime.models.moe as moe_mod
+    from adapt.runtime import cpu_kernels
+    from adapt.runtime.kernels.moe_tiled import tiles
+
+    cpu_kernels.load()
+    if not tiles(128, 64, getattr(torch, dtype)):
+        pytest.skip(f"the tiled MoE kernel does not run {dtype} on this host")
+    monkeypatch.setattr(moe_mod, "packing_wins", lambda block, dtype, form="onednn": form == "tiled")
+    tiled = Engine.from_pretrained(k2, dtype=dtype, kv_cache_memory="16MiB")
+    plain = Engine.from_pretrained(k2, dtype=dtype, kv_cache_memory="16MiB", prepack="off")
+    exact = Engine.from_pretrained(k2, dtype=dtype, kv_cache_memory="16MiB", prepack="exact")
+    moes = [m for m in tiled.model.modules() if hasattr(m, "pack_experts")]
+    assert moes and all(m.tiled is not None and m.w_gate_up is None for m in moes)
+    assert not any(m.tiled is not None for e in (plain, exact) for m in e.model.modules() if hasattr(m, "tiled"))
+    ids = [0, 5, 9, 33, 2, 17, 40]
+    a, b = tiled.prefill_logits(ids).float(), plain.prefill_logits(ids).float()
+    if dtype == "float32":
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+        prompts = _ragged(4)
+        assert [r.token_ids for r in tiled.generate(prompts, GREEDY)] == \
+            [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    else:  # bfloat16: another accumulation order in AMX tiles; the logits stay close
+        assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item() > 0.999
 
 
 def test_a_bad_moe_strategy_pin_is_refused_at_load(llama, monkeypatch):

@@ -13,6 +13,11 @@ def module():
     return None if _off else _module
 
 
+def installed():
+    """The installed extension module even inside disabled() (layouts packed for it stay its layouts)."""
+    return _module
+
+
 def vectorized():
     """The installed module when its loops are vectorized (built with AVX-512 or AVX2 + FMA), else None.
     SiLU and RoPE use it only then: their scalar loops (an exp per element, bfloat16 rounding) are slower

@@ -28,8 +28,8 @@ run at bucketed row counts (rows.bucket_rows) so that varying expert loads reuse
 
 ``moe_experts_packed`` is the CPU form with each expert's gate|up and down packed once into oneDNN's
 blocked layout, one packed GEMM pair per expert segment; MoE.pack_experts switches a model to it at
-load where a timed trial says it wins (1.25-1.6x over the stacked form from 4 to 1024 tokens, float32
-on a 2-core AMD EPYC; slower than the stacked paths on a 2-core AMX Xeon).
+load where a timed trial says it wins, after the fused moe_experts_tiled (moe_tiled.py), tried first
+(1.25-1.6x over the stacked form from 4 to 1024 tokens, float32 on a 2-core AMD EPYC).
 """
 
 import torch

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from adapt.runtime.kernels.moe_experts import onednn_packs, pack_expert_weights
+from adapt.runtime.kernels.moe_tiled import pack_tiled, tiled_panel, tiles
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.layers import Linear, _param, linear, slot_loader
 from adapt.runtime.models.mlp import DenseMLP
@@ -55,6 +56,7 @@ class MoE(nn.Module):
         self.w_gate_up.store_transposed = self.w_down.store_transposed = True
         self.hidden_size = h
         self.packed: tuple[nn.ParameterList, nn.ParameterList] | None = None  # set by pack_experts
+        self.tiled: tuple[nn.Parameter, nn.Parameter] | None = None  # set by pack_experts
         self._names = [(n(i, "expert_gate", x), n(i, "expert_up", x), n(i, "expert_down", x)) for x in self.experts]
         self.shared = (DenseMLP(n, i, h, m.shared_intermediate_size, ctx, kind="shared")
                        if m.num_shared_experts and m.shared_intermediate_size else None)
@@ -80,8 +82,10 @@ class MoE(nn.Module):
             out[self.bias_name] = slot_loader(self, "e_score_correction_bias", self.bias_name)
         return out
 
-    def pack_experts(self, dtypes: tuple[torch.dtype, ...]) -> int:
-        """On CPU, float32 experts in ``dtypes``: repack every expert's gate_up and down once for oneDNN
+    def pack_experts(self, dtypes: tuple[torch.dtype, ...], tiled: bool = False) -> int:
+        """On CPU, with ``tiled``: pack the experts for the fused tiled kernel (moe_experts_tiled, float32 or
+        bfloat16) where it runs here and a timed trial says it beats the stacked paths. Else float32
+        experts in ``dtypes``: repack every expert's gate_up and down once for oneDNN
         (moe_experts_packed), replacing the stacked tensors so memory does not grow, where a timed trial
         says the packed loop beats the stacked paths on this host (``packing_wins``); returns the number
         of packed weights. The winner flips between CPUs: float32 on a 2-core AMD EPYC, 32 experts top-4,
@@ -90,8 +94,17 @@ class MoE(nn.Module):
         8.6 / 8.3 against 10.5 ms). bfloat16 stays stacked: its padded batched GEMMs, which the packed
         form cannot run, win on AMX from ~64 rows per expert, and A/B runs of the loop were mixed."""
         w = self.w_gate_up
-        if (self.packed is not None or w is None or w.device.type != "cpu" or w.dtype != torch.float32
-                or w.dtype not in dtypes or not onednn_packs(w.dtype) or not packing_wins(self, w.dtype)):
+        if self.packed is not None or self.tiled is not None or w is None or w.device.type != "cpu":
+            return 0
+        h, inter = self.hidden_size, self.num_inter
+        if (tiled and tiles(2 * inter, h, w.dtype) and tiles(h, inter, w.dtype)
+                and packing_wins(self, w.dtype, "tiled")):
+            p = tiled_panel(w.dtype)
+            self.tiled = tuple(nn.Parameter(pack_tiled(t.detach(), p), requires_grad=False)
+                               for t in (self.w_gate_up, self.w_down))
+            self.w_gate_up = self.w_down = None
+            return 2
+        if (w.dtype != torch.float32 or w.dtype not in dtypes or not onednn_packs(w.dtype) or not packing_wins(self, w.dtype)):
             return 0
 
         def plist(t: torch.Tensor) -> nn.ParameterList:
@@ -104,6 +117,8 @@ class MoE(nn.Module):
 
     def run_experts(self, k, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts this rank holds on x [T, H] (weights [T, K], global ids [T, K])."""
+        if self.tiled is not None:
+            return k.moe_experts_tiled(x, weights, ids, *self.tiled, self.expert_offset, TACTICS.run)
         if self.packed is not None:
             return k.moe_experts_packed(x, weights, ids, *self._packed_lists, self.expert_offset, TACTICS.run)
         return k.moe_experts_fused(x, weights, ids, self.w_gate_up, self.w_down, self.expert_offset, TACTICS.run)

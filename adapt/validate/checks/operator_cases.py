@@ -46,9 +46,11 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
 
 
 def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh: tuple[int, ...] = (),
-          keep_fp32: tuple[int, ...] = (), pack: tuple[int, ...] = (), transposed: tuple[int, ...] = ()) -> Case:
+          keep_fp32: tuple[int, ...] = (), pack: tuple[int, ...] = (), transposed: tuple[int, ...] = (),
+          tile: tuple[int, ...] = ()) -> Case:
     """``fresh``: positions cloned per call (caches written in place); ``keep_fp32``: never cast;
     ``pack``: stacked expert weights [E, N, K], packed per expert for oneDNN after the cast;
+    ``tile``: stacked expert weights packed for the fused tiled MoE kernel (moe_experts.pack_tiled);
     ``transposed``: [E, N, K] weights held as views of [E, K, N] storage, as the runtime's MoE holds them."""
     kwargs = kwargs or {}
 
@@ -62,6 +64,13 @@ def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh
                 if not onednn_packs(y.dtype):
                     raise UnsupportedCase(f"this CPU does not pack {str(y.dtype).replace('torch.', '')} for oneDNN")
                 y = pack_expert_weights(y)
+            if i in tile:
+                from adapt.runtime.kernels.moe_tiled import pack_tiled, tiled_panel, tiles
+
+                if not tiles(y.shape[1], y.shape[2], y.dtype):
+                    raise UnsupportedCase(f"the fused tiled MoE kernel does not run {str(y.dtype).replace('torch.', '')}"
+                                          " here")
+                y = pack_tiled(y, tiled_panel(y.dtype))
             if i in transposed:
                 y = y.transpose(1, 2).contiguous().transpose(1, 2)
             a.append(y.clone() if i in fresh else y)
@@ -120,6 +129,10 @@ def build_cases(seed: int = 0) -> dict[str, Case]:
         "moe_experts_packed": _case([rn(t, 32), torch.rand(t, k, generator=g),
                                      torch.randint(0, e, (t, k), generator=g), rn(e, 2 * inter, 32, scale=0.2),
                                      rn(e, 32, inter, scale=0.2)], keep_fp32=(1,), pack=(3, 4)),
+        # the tiled kernel's shapes: 2I and H multiples of its column blocks (32), H and I of 32 (AMX)
+        "moe_experts_tiled": _case([rn(t, 64), torch.rand(t, k, generator=g), torch.randint(0, e, (t, k), generator=g),
+                                    rn(e, 64, 64, scale=0.15), rn(e, 64, 32, scale=0.2)], keep_fp32=(1,),
+                                   tile=(3, 4)),
         "quantize_int8": _case([xq]),
         "dequantize_int8": _case([q8, s8], keep_fp32=(1,)),
         "silu_and_mul": _case([rn(t, 2 * inter)]),

@@ -16,10 +16,16 @@
 #include "common.h"
 #include "elementwise.h"
 #include "moe.h"
+#include "moe_gemm.h"
 
 using namespace adapt_cpu;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#ifdef ADAPT_VW
+#define ADAPT_PANEL (2 * ADAPT_VW)
+#else
+#define ADAPT_PANEL 0
+#endif
 #if ADAPT_VW == 16
   m.attr("VECTOR") = "avx512";
 #elif ADAPT_VW == 8
@@ -36,4 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv);
   m.def("moe_pad_gather", &moe_pad_gather);
   m.def("moe_combine", &moe_combine);
+  m.def("moe_experts_tiled", &moe_experts_tiled);
+  m.def("moe_tiled_dtypes", &moe_tiled_dtypes);
+  m.attr("PANEL") = ADAPT_PANEL;
 }

@@ -1,0 +1,351 @@
+// MoE experts in one call: the routed slots grouped by expert, each expert's gate|up GEMM, SiLU-and-mul
+// and down GEMM over its gathered rows, with the weights packed once at load, then the weighted combine.
+#pragma once
+
+#include "common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ADAPT_AMX 1
+#endif
+
+namespace adapt_cpu {
+
+// ---------------------------------------------------------------------------------------------------
+// Packed expert weights (packing and unpacking are torch reshapes: kernels/moe_experts.py). For W [E, N, K]
+// (out x in, the F.linear layout):
+//  - float32, "panel": [E, N / P, K, P], P = 2 VW (32 with AVX-512), p[e, nb, k, c] = W[e, nb * P + c, k]:
+//    a P-column panel of the transposed weight, read one k row (two vectors) at a time by the FMA kernel;
+//  - bfloat16, "vnni" (AMX): [E, N / 16, K / 32, 16, 32], p[e, nb, kb, r, 2c + q] = W[e, nb * 16 + c,
+//    kb * 32 + 2r + q]: each [16, 32] block is one AMX B tile (16 k-pairs x 16 columns), 1 KB contiguous.
+// The vnni form needs N % 32 == 0 (the AMX kernel takes two B tiles at a time) and K % 32 == 0.
+
+#ifdef ADAPT_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands AMX's tile state to a process only on request (once per process, every thread)
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// tiles 0-3: a 32 x 32 float32 C block; 4, 5: two 16-row A tiles (32 bf16 of k); 6, 7: two B tiles
+inline void amx_config() {
+  TileConfig c{};
+  c.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// C [M, N] float32 (row stride ldc) = A [M, K] bf16 (row stride K) @ B^T, B vnni-packed [N / 16, K / 32,
+// 16, 32]. M % 16 == 0 (rows past the caller's are zeros), N % 32 == 0, K % 32 == 0. Columns outer, so
+// that a 32-column B panel stays in L1 while the row blocks stream past it.
+inline void amx_gemm(const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t N, float* C, int64_t ldc) {
+  const int64_t kbs = K / 32, sa = K * 2, sc = ldc * 4;
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {
+    const bf16* b0 = B + (n0 / 16) * kbs * 512;
+    const bf16* b1 = b0 + kbs * 512;
+    int64_t m0 = 0;
+    for (; m0 + 32 <= M; m0 += 32) {
+      const bf16* a0 = A + m0 * K;
+      const bf16* a1 = a0 + 16 * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < kbs; ++kb) {
+        _tile_loadd(4, a0 + kb * 32, sa);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, a1 + kb * 32, sa);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* c = C + m0 * ldc + n0;
+      _tile_stored(0, c, sc);
+      _tile_stored(1, c + 16, sc);
+      _tile_stored(2, c + 16 * ldc, sc);
+      _tile_stored(3, c + 16 * ldc + 16, sc);
+    }
+    if (m0 < M) {  // a last 16-row block
+      const bf16* a0 = A + m0 * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t kb = 0; kb < kbs; ++kb) {
+        _tile_loadd(4, a0 + kb * 32, sa);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      float* c = C + m0 * ldc + n0;
+      _tile_stored(0, c, sc);
+      _tile_stored(1, c + 16, sc);
+    }
+  }
+}
+#endif
+
+#ifdef ADAPT_VW
+// registers: MR * 2 accumulators + 2 vectors of B + 1 broadcast (32 with AVX-512, 16 with AVX2)
+constexpr int FMA_MR = VW == 16 ? 12 : 6;
+constexpr int64_t FMA_NR = 2 * VW;  // columns per packed panel
+
+// rows of C [MR, FMA_NR] (row stride ldc) = A [MR, K] (row stride K) @ one packed panel b [K, FMA_NR]: FMA
+// accumulation in k order, in registers. pf: the next panel, pulled into L2 line by line as k advances.
+template <int MR>
+inline void fma_block(const float* A, int64_t K, const float* b, float* C, int64_t ldc, const float* pf) {
+  vf c0[MR], c1[MR];
+  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k * FMA_NR), _MM_HINT_T1);
+    const vf v0 = vloadu(b + k * FMA_NR), v1 = vloadu(b + k * FMA_NR + VW);
+    for (int r = 0; r < MR; ++r) {
+      const vf av = vset1(A[r * K + k]);
+      c0[r] = vfma(av, v0, c0[r]);
+      c1[r] = vfma(av, v1, c1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    vstoreu(C + r * ldc, c0[r]);
+    vstoreu(C + r * ldc + VW, c1[r]);
+  }
+}
+
+template <int MR>
+inline void fma_rows(const float* A, int64_t rows, int64_t K, const float* b, float* C, int64_t ldc,
+                     const float* pf) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return fma_block<MR>(A, K, b, C, ldc, pf);
+    fma_rows<MR - 1>(A, rows, K, b, C, ldc, pf);
+  }
+}
+
+// C [M, N] float32 = A [M, K] float32 (row stride K) @ B^T, B panel-packed [N / FMA_NR, K, FMA_NR].
+// Panels outer, so that one (K x 128 bytes) stays in L2 while the row blocks stream past it; the first
+// row block of a panel prefetches the next.
+inline void fma_gemm(const float* A, int64_t M, int64_t K, const float* B, int64_t N, float* C, int64_t ldc) {
+  for (int64_t n0 = 0; n0 < N; n0 += FMA_NR) {
+    const float* b = B + n0 * K;
+    const float* pf = n0 + FMA_NR < N ? b + K * FMA_NR : nullptr;
+    int64_t m0 = 0;
+    for (; m0 + FMA_MR <= M; m0 += FMA_MR, pf = nullptr)
+      fma_block<FMA_MR>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, pf);
+    if (m0 < M) fma_rows<FMA_MR - 1>(A + m0 * K, M - m0, K, b, C + m0 * ldc + n0, ldc, pf);
+  }
+}
+#endif
+
+// Which dtypes moe_experts_tiled runs on this build and host: float32 with a vector layer, bfloat16 with
+// AMX (compiled in and granted by the kernel).
+inline std::vector<std::string> moe_tiled_dtypes() {
+  std::vector<std::string> out;
+#ifdef ADAPT_VW
+  out.push_back("float32");
+#endif
+#ifdef ADAPT_AMX
+  if (amx_permitted()) out.push_back("bfloat16");
+#endif
+  return out;
+}
+
+// out [T, H] = sum over k with a local expert of w[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, k]
+// - expert_offset, for x [T, H] (float32 / bfloat16), int64 ids [T, K], float32 w [T, K] and the packed
+// gate|up [E, 2I, H] and down [E, H, I] (see above). Rounding as the torch form of the loop: in bfloat16
+// gate|up and down round to bfloat16 after their float32 accumulation, silu rounds, then the product; the
+// combine sums in float32 in k order and rounds once. Slots of experts held elsewhere add nothing.
+torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tensor w, torch::Tensor wgu,
+                                torch::Tensor wd, int64_t expert_offset) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && ids.dim() == 2 && ids.scalar_type() == at::kLong &&
+                  ids.is_contiguous() && w.scalar_type() == at::kFloat && w.is_contiguous() &&
+                  w.sizes() == ids.sizes() && ids.size(0) == x.size(0),
+              "moe_experts_tiled: contiguous x [T, H], int64 ids [T, K] and float32 weights [T, K]");
+  TORCH_CHECK(wgu.scalar_type() == x.scalar_type() && wd.scalar_type() == x.scalar_type() && wgu.is_contiguous() &&
+                  wd.is_contiguous() && wgu.size(0) == wd.size(0),
+              "moe_experts_tiled: packed weights of x's dtype");
+  const bool lowp = x.scalar_type() == at::kBFloat16;
+  const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), E = wgu.size(0), S = T * K;
+  int64_t N1, K1, N2, K2, cols;  // cols: the kernel's column block
+  if (lowp) {
+#ifdef ADAPT_AMX
+    TORCH_CHECK(amx_permitted(), "moe_experts_tiled: the kernel does not grant AMX to this process");
+#else
+    TORCH_CHECK(false, "moe_experts_tiled: bfloat16 needs AMX, not in this build");
+#endif
+    TORCH_CHECK(wgu.dim() == 5 && wd.dim() == 5 && wgu.size(3) == 16 && wgu.size(4) == 32 && wd.size(3) == 16 &&
+                    wd.size(4) == 32, "moe_experts_tiled: bfloat16 weights vnni-packed [E, N/16, K/32, 16, 32]");
+    N1 = wgu.size(1) * 16, K1 = wgu.size(2) * 32, N2 = wd.size(1) * 16, K2 = wd.size(2) * 32, cols = 32;
+  } else {
+#ifdef ADAPT_VW
+    TORCH_CHECK(x.scalar_type() == at::kFloat && wgu.dim() == 4 && wd.dim() == 4 && wgu.size(3) == FMA_NR &&
+                    wd.size(3) == FMA_NR, "moe_experts_tiled: float32 weights panel-packed [E, N/P, K, P], P = ", FMA_NR);
+    N1 = wgu.size(1) * FMA_NR, K1 = wgu.size(2), N2 = wd.size(1) * FMA_NR, K2 = wd.size(2), cols = FMA_NR;
+#else
+    TORCH_CHECK(false, "moe_experts_tiled: float32 needs a vector layer, not in this build");
+#endif
+  }
+  const int64_t I = N1 / 2;
+  TORCH_CHECK(K1 == H && N2 == H && K2 == I && N1 % cols == 0 && N2 % cols == 0,
+              "moe_experts_tiled: weights [E, 2I, H] and [E, H, I] for x [T, H], 2I and H multiples of ", cols);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  // slots grouped by expert, in slot order within one (a counting sort); pos[s]: row of slot s in ys, or -1
+  std::vector<int64_t> start(E + 1, 0), pos(S, -1);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t e = ip[s] - expert_offset;
+    if (e >= 0 && e < E) ++start[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  const int64_t R = start[E];
+  std::vector<int64_t> slot(R), fill(start.begin(), start.end() - 1);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t e = ip[s] - expert_offset;
+    if (e >= 0 && e < E) {
+      pos[s] = fill[e];
+      slot[fill[e]++] = s;
+    }
+  }
+  // tasks: row chunks of one expert, at most MC rows, so that the buffers stay in L2 and two threads share a
+  // busy expert; split across threads by cost (padded rows + a fixed share for streaming the weights)
+  const int64_t per_row = (H + I) * (lowp ? 2 : 4) + (N1 + H) * 4;
+  const int64_t MC = std::max<int64_t>(32, std::min<int64_t>(256, ((1 << 20) / per_row) / 32 * 32));
+  struct Task {
+    int64_t e, r0, n;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> cost_end;
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += MC) {
+      const int64_t n = std::min(MC, start[e + 1] - r0);
+      tasks.push_back({e, r0, n});
+      total += (lowp ? (n + 15) / 16 * 16 : n) + 16;
+      cost_end.push_back(total);
+    }
+  auto ys = torch::empty({R, H}, x.options());
+  auto out = torch::empty({T, H}, x.options());
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (int64_t)tasks.size()));
+  float_or_bf16(x, "moe_experts_tiled", [&](auto tag) {
+    using X = decltype(tag);
+    const X* xp = x.data_ptr<X>();
+    X* yp = ys.data_ptr<X>();
+    const X* gup = wgu.data_ptr<X>();
+    const X* dp = wd.data_ptr<X>();
+    at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t ti = i0; ti < i1; ++ti) {
+        // this thread's tasks: those whose cost ends in its share
+        const int64_t lo = total * ti / nt, hi = total * (ti + 1) / nt;
+        const int64_t a = std::upper_bound(cost_end.begin(), cost_end.end(), lo) - cost_end.begin();
+        const int64_t b = std::upper_bound(cost_end.begin(), cost_end.end(), hi) - cost_end.begin();
+        const int64_t mp = lowp ? (MC + 15) / 16 * 16 : MC;
+        std::vector<X> xa(mp * H), act(mp * I);
+        std::vector<float> c1(mp * N1), c2(mp * H);
+#ifdef ADAPT_AMX
+        if constexpr (std::is_same_v<X, bf16>) amx_config();
+#endif
+        for (int64_t j = a; j < std::min<int64_t>(b, tasks.size()); ++j) {
+          const Task& tk = tasks[j];
+          const int64_t n = tk.n, m = lowp ? (n + 15) / 16 * 16 : n;
+          for (int64_t r = 0; r < n; ++r)
+            std::memcpy(xa.data() + r * H, xp + (slot[tk.r0 + r] / K) * H, H * sizeof(X));
+          if (m > n) std::memset(static_cast<void*>(xa.data() + n * H), 0, (m - n) * H * sizeof(X));
+          const X* w1 = gup + tk.e * N1 * H;
+          const X* w2 = dp + tk.e * H * I;
+          if constexpr (std::is_same_v<X, bf16>) {
+#ifdef ADAPT_AMX
+            amx_gemm(xa.data(), m, H, w1, N1, c1.data(), N1);
+#endif
+          } else {
+#ifdef ADAPT_VW
+            fma_gemm(xa.data(), m, H, w1, N1, c1.data(), N1);
+#endif
+          }
+          // act = T(silu(T(gate))) * T(up), rounded to T (the torch form's F.linear then silu_and_mul)
+          for (int64_t r = 0; r < m; ++r) {
+            const float* g = c1.data() + r * N1;
+            const float* u = g + I;
+            X* o = act.data() + r * I;
+            int64_t i = 0;
+#ifdef ADAPT_VW
+            const vf one = vset1(1.f), zero = vzero();
+            for (; i + VW <= I; i += VW) {
+              const vf gv = vrnd<X>(vloadu(g + i));
+              const vf s = vrnd<X>(vdiv(gv, vadd(one, vexp(vsub(zero, gv)))));
+              vstore(o + i, vmul(s, vrnd<X>(vloadu(u + i))));
+            }
+#endif
+            for (; i < I; ++i) {
+              const float gv = rnd<X>(g[i]);
+              o[i] = from_f32<X>(rnd<X>(gv / (1.f + exp_f32(-gv))) * rnd<X>(u[i]));
+            }
+          }
+          if constexpr (std::is_same_v<X, bf16>) {
+#ifdef ADAPT_AMX
+            amx_gemm(act.data(), m, I, w2, H, c2.data(), H);
+#endif
+          } else {
+#ifdef ADAPT_VW
+            fma_gemm(act.data(), m, I, w2, H, c2.data(), H);
+#endif
+          }
+          for (int64_t r = 0; r < n; ++r) {
+            const float* c = c2.data() + r * H;
+            X* y = yp + (tk.r0 + r) * H;
+            int64_t i = 0;
+#ifdef ADAPT_VW
+            for (; i + VW <= H; i += VW) vstore(y + i, vloadu(c + i));
+#endif
+            for (; i < H; ++i) y[i] = from_f32<X>(c[i]);
+          }
+        }
+#ifdef ADAPT_AMX
+        if constexpr (std::is_same_v<X, bf16>) _tile_release();
+#endif
+      }
+    });
+    // the combine: out[t] = sum over local k of w[t, k] * ys[pos], float32 in k order, rounded once
+    const float* wp = w.data_ptr<float>();
+    X* op = out.data_ptr<X>();
+    at::parallel_for(0, T, grain(H * K), [&](int64_t t0, int64_t t1) {
+      std::vector<float> acc(H);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t p = pos[t * K + k];
+          if (p < 0) continue;
+          const X* row = yp + p * H;
+          const float wk = wp[t * K + k];
+          int64_t i = 0;
+#ifdef ADAPT_VW
+          const vf vw = vset1(wk);
+          for (; i + VW <= H; i += VW) vstoreu(acc.data() + i, vadd(vloadu(acc.data() + i), vmul(vw, vload(row + i))));
+#endif
+          for (; i < H; ++i) acc[i] += wk * f32(row[i]);
+        }
+        X* o = op + t * H;
+        int64_t i = 0;
+#ifdef ADAPT_VW
+        for (; i + VW <= H; i += VW) vstore(o + i, vloadu(acc.data() + i));
+#endif
+        for (; i < H; ++i) o[i] = from_f32<X>(acc[i]);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace adapt_cpu

@@ -1,0 +1,156 @@
+"""The fused tiled MoE kernel (csrc/moe_gemm.h, moe_experts_tiled) against its twin: float32 (the FMA
+kernel), bfloat16 (AMX, where the host has it), packing round trips, row tails and chunks, expert
+parallelism, thread counts, the torch fallback, and inputs it refuses."""
+
+import pytest
+import torch
+
+from adapt.runtime import cpu_kernels
+from adapt.runtime.kernels import fused
+from adapt.runtime.kernels.moe_experts import moe_experts_ref
+from adapt.runtime.kernels.moe_tiled import (moe_experts_tiled, moe_experts_tiled_ref, pack_tiled, tiled_panel, tiles,
+                                             unpack_tiled)
+
+from ._tol import assert_fp32_close, assert_lowp_close
+
+
+def _case(t, h, inter, e, k, seed=0, ids=None, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    wgu = torch.randn(e, 2 * inter, h, generator=g) * h ** -0.5
+    wd = torch.randn(e, h, inter, generator=g) * inter ** -0.5
+    if ids is None:
+        probs = 1.0 / torch.arange(1, e + 1, dtype=torch.float32)  # skewed, as real routing is
+        ids = torch.multinomial(probs.expand(t, e), k, generator=g)
+    w = torch.rand(ids.shape, generator=g) + 0.1
+    w = (w / w.sum(-1, keepdim=True)).to(dtype)
+    return x.to(dtype), w, ids, wgu.to(dtype), wd.to(dtype)
+
+
+def _need(dtype):
+    if cpu_kernels.load() is None:
+        pytest.skip(f"fused CPU kernels {cpu_kernels.status()}")
+    if not tiles(64, 64, dtype):
+        pytest.skip(f"the tiled MoE kernel does not run {dtype} on this host (bfloat16 needs AMX)")
+
+
+def _packed(wgu, wd):
+    p = tiled_panel(wgu.dtype)
+    return pack_tiled(wgu, p), pack_tiled(wd, p)
+
+
+@pytest.mark.parametrize("dtype,panel", [(torch.float32, 16), (torch.float32, 32), (torch.bfloat16, 16)])
+def test_pack_and_unpack_are_inverse_and_lay_out_tiles(dtype, panel):
+    w = torch.randn(3, 64, 96).to(dtype)
+    p = pack_tiled(w, panel)
+    assert torch.equal(unpack_tiled(p), w)
+    if dtype == torch.bfloat16:  # one AMX B tile: row r holds the k pairs (2r, 2r + 1) of 16 columns
+        assert p.shape == (3, 4, 3, 16, 32)
+        assert p[1, 2, 1, 5, 2 * 7 + 1] == w[1, 2 * 16 + 7, 32 + 2 * 5 + 1]
+    else:  # a column panel of the transposed weight
+        assert p.shape == (3, 64 // panel, 96, panel) and p[2, 1, 50, 3] == w[2, panel + 3, 50]
+
+
+@pytest.mark.parametrize(
+    "t,h,inter,e,k",
+    [(1, 64, 32, 8, 2), (13, 32, 16, 6, 2), (50, 96, 48, 5, 3), (300, 64, 32, 4, 1), (37, 64, 96, 8, 4)],
+)
+def test_float32_matches_twin(t, h, inter, e, k):
+    _need(torch.float32)
+    x, w, ids, wgu, wd = _case(t, h, inter, e, k, seed=t)
+    pg, pd = _packed(wgu, wd)
+    out = moe_experts_tiled(x, w, ids, pg, pd)
+    assert out.shape == (t, h) and out.dtype == torch.float32
+    assert_fp32_close(out, moe_experts_tiled_ref(x, w, ids, pg, pd))
+    assert_fp32_close(out, moe_experts_ref(x, w, ids, wgu[:, :inter], wgu[:, inter:], wd))
+
+
+@pytest.mark.parametrize("t,h,inter,e,k", [(1, 64, 32, 8, 2), (29, 64, 32, 6, 2), (70, 96, 64, 5, 3)])
+def test_bfloat16_within_2x_of_torch(t, h, inter, e, k):
+    _need(torch.bfloat16)
+    x, w, ids, wgu, wd = _case(t, h, inter, e, k, seed=t, dtype=torch.bfloat16)
+    pg, pd = _packed(wgu, wd)
+    out = moe_experts_tiled(x, w, ids, pg, pd)
+    assert out.dtype == torch.bfloat16
+    ref32 = moe_experts_tiled_ref(x.float(), w.float(), ids, pg.float(), pd.float())
+    assert_lowp_close(out, moe_experts_tiled_ref(x, w, ids, pg, pd), ref32, "tiled moe bf16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_idle_experts_one_expert_and_a_chunked_busy_expert(dtype):
+    _need(dtype)
+    t, h, inter, e = 600, 64, 32, 6
+    cases = {
+        "idle": torch.tensor([1, 4]).repeat(t, 1),  # experts 0, 2, 3, 5 get no token
+        "one": torch.full((t, 1), 3),  # 600 rows on one expert: more than one row chunk
+    }
+    for name, ids in cases.items():
+        x, w, ids, wgu, wd = _case(t, h, inter, e, ids.shape[1], seed=3, ids=ids, dtype=dtype)
+        pg, pd = _packed(wgu, wd)
+        out = moe_experts_tiled(x, w, ids, pg, pd)
+        if dtype == torch.float32:
+            assert_fp32_close(out, moe_experts_tiled_ref(x, w, ids, pg, pd), name)
+        else:
+            ref32 = moe_experts_tiled_ref(x.float(), w.float(), ids, pg.float(), pd.float())
+            assert_lowp_close(out, moe_experts_tiled_ref(x, w, ids, pg, pd), ref32, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_parallel_ranks_sum_to_the_full_output(dtype):
+    _need(dtype)
+    x, w, ids, wgu, wd = _case(40, 64, 32, 6, 2, seed=5, dtype=dtype)
+    full = moe_experts_tiled(x, w, ids, *_packed(wgu, wd))
+    parts = [moe_experts_tiled(x, w, ids, *_packed(wgu[a:b], wd[a:b]), a) for a, b in [(0, 2), (2, 5), (5, 6)]]
+    # each slot is computed by the rank holding its expert; only the combine's sum order differs
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(sum(p.float() for p in parts), full.float(), **tol)
+    none = moe_experts_tiled(x, w, ids, *_packed(wgu[:1], wd[:1]), 6)  # a rank none of the slots route to
+    assert torch.equal(none, torch.zeros_like(none))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_and_two_threads_give_the_same_bits(dtype):
+    # a row is computed by one thread whatever the split, and the combine's order is fixed
+    _need(dtype)
+    x, w, ids, wgu, wd = _case(200, 64, 32, 8, 2, seed=6, dtype=dtype)
+    pg, pd = _packed(wgu, wd)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = moe_experts_tiled(x, w, ids, pg, pd)
+        torch.set_num_threads(2)
+        two = moe_experts_tiled(x, w, ids, pg, pd)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
+def test_torch_fallback_unpacks_and_matches():
+    _need(torch.float32)
+    x, w, ids, wgu, wd = _case(20, 64, 32, 4, 2, seed=7)
+    pg, pd = _packed(wgu, wd)
+    with fused.disabled():
+        out = moe_experts_tiled(x, w, ids, pg, pd)
+    assert_fp32_close(out, moe_experts_tiled_ref(x, w, ids, pg, pd))
+
+
+def test_bad_inputs_are_errors_not_reads_out_of_bounds():
+    _need(torch.float32)
+    ext = fused.module()
+    x, w, ids, wgu, wd = _case(8, 64, 32, 4, 2, seed=8)
+    pg, pd = _packed(wgu, wd)
+    with pytest.raises(RuntimeError, match="moe_experts_tiled"):
+        ext.moe_experts_tiled(x[:, :32].contiguous(), ids, w.float(), pg, pd, 0)  # H does not match
+    with pytest.raises(RuntimeError, match="moe_experts_tiled"):
+        ext.moe_experts_tiled(x, ids.int(), w.float(), pg, pd, 0)  # int32 ids
+    with pytest.raises(RuntimeError, match="moe_experts_tiled"):
+        ext.moe_experts_tiled(x, ids, w.float(), pg, pd[:2], 0)  # expert counts differ
+    with pytest.raises(RuntimeError, match="moe_experts_tiled"):
+        ext.moe_experts_tiled(x, ids, w.float(), wgu, wd, 0)  # not packed
+    # ids outside this rank's experts (negative ones included) are slots served elsewhere: they add nothing
+    bad = ids.clone()
+    bad[0, 0] = -3
+    bad[1, 1] = 99
+    out = ext.moe_experts_tiled(x, bad, w.float(), pg, pd, 0)
+    keep = (bad >= 0) & (bad < 4)
+    assert_fp32_close(out, moe_experts_ref(x, w * keep, bad.clamp(0, 3), wgu[:, :32], wgu[:, 32:], wd))
