@@ -60,15 +60,22 @@ def tiles(n: int, k: int, dtype: torch.dtype) -> bool:
 
 
 def pack_tiled(w: torch.Tensor, panel: int) -> torch.Tensor:
-    """Stacked expert weights [E, N, K] -> the tiled kernel's layout: bfloat16 [E, N/16, K/32, 16, 32]
-    (each [16, 32] block one AMX B tile: 16 pairs of k by 16 columns), float32 [E, N/panel, K, panel]
-    (column panels of the transposed weight)."""
+    """Stacked expert weights [E, N, K] (any strides) -> the tiled kernel's layout: bfloat16 [E, N/16, K/32,
+    16, 32] (each [16, 32] block one AMX B tile: 16 pairs of k by 16 columns), float32 [E, N/panel, K,
+    panel] (column panels of the transposed weight). Packed expert by expert into the result, so that a
+    load holds one expert's temporary, not a second copy of the layer."""
     e, n, k = w.shape
-    w = w.contiguous()
-    if w.dtype == torch.bfloat16:
-        return w.view(e, n // 16, 16, k // 32, 16, 2).permute(0, 1, 3, 4, 2, 5).reshape(e, n // 16, k // 32, 16,
-                                                                                         32).contiguous()
-    return w.view(e, n // panel, panel, k).permute(0, 1, 3, 2).contiguous()
+    bf = w.dtype == torch.bfloat16
+    out = torch.empty((e, n // 16, k // 32, 16, 32) if bf else (e, n // panel, k, panel), dtype=w.dtype,
+                      device=w.device)
+    for i in range(e):
+        wi = w[i]
+        if bf:  # [nb, c, kb, r, q] -> [nb, kb, r, c, q]
+            blocks = wi.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+            out[i].view(n // 16, k // 32, 16, 16, 2).copy_(blocks)
+        else:  # [nb, c, k] -> [nb, k, c]
+            out[i].copy_(wi.reshape(n // panel, panel, k).permute(0, 2, 1))
+    return out
 
 
 def unpack_tiled(p: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ class MoE(nn.Module):
         self.w_gate_up.store_transposed = self.w_down.store_transposed = True
         self.hidden_size = h
         self.packed: tuple[nn.ParameterList, nn.ParameterList] | None = None  # set by pack_experts
-        self.tiled: tuple[nn.Parameter, nn.Parameter] | None = None  # set by pack_experts
+        self.tiled: nn.ParameterList | None = None  # [gate_up, down] packed by pack_experts
         self._names = [(n(i, "expert_gate", x), n(i, "expert_up", x), n(i, "expert_down", x)) for x in self.experts]
         self.shared = (DenseMLP(n, i, h, m.shared_intermediate_size, ctx, kind="shared")
                        if m.num_shared_experts and m.shared_intermediate_size else None)
@@ -100,11 +100,12 @@ class MoE(nn.Module):
         if (tiled and tiles(2 * inter, h, w.dtype) and tiles(h, inter, w.dtype)
                 and packing_wins(self, w.dtype, "tiled")):
             p = tiled_panel(w.dtype)
-            self.tiled = tuple(nn.Parameter(pack_tiled(t.detach(), p), requires_grad=False)
-                               for t in (self.w_gate_up, self.w_down))
+            self.tiled = nn.ParameterList([nn.Parameter(pack_tiled(t.detach(), p), requires_grad=False)
+                                           for t in (self.w_gate_up, self.w_down)])
             self.w_gate_up = self.w_down = None
             return 2
-        if (w.dtype != torch.float32 or w.dtype not in dtypes or not onednn_packs(w.dtype) or not packing_wins(self, w.dtype)):
+        if (w.dtype != torch.float32 or w.dtype not in dtypes or not onednn_packs(w.dtype)
+                or not packing_wins(self, w.dtype)):
             return 0
 
         def plist(t: torch.Tensor) -> nn.ParameterList:
@@ -118,7 +119,8 @@ class MoE(nn.Module):
     def run_experts(self, k, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts this rank holds on x [T, H] (weights [T, K], global ids [T, K])."""
         if self.tiled is not None:
-            return k.moe_experts_tiled(x, weights, ids, *self.tiled, self.expert_offset, TACTICS.run)
+            gu, dn = self.tiled
+            return k.moe_experts_tiled(x, weights, ids, gu, dn, self.expert_offset, TACTICS.run)
         if self.packed is not None:
             return k.moe_experts_packed(x, weights, ids, *self._packed_lists, self.expert_offset, TACTICS.run)
         return k.moe_experts_fused(x, weights, ids, self.w_gate_up, self.w_down, self.expert_offset, TACTICS.run)

@@ -68,8 +68,8 @@ def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh
                 from adapt.runtime.kernels.moe_tiled import pack_tiled, tiled_panel, tiles
 
                 if not tiles(y.shape[1], y.shape[2], y.dtype):
-                    raise UnsupportedCase(f"the fused tiled MoE kernel does not run {str(y.dtype).replace('torch.', '')}"
-                                          " here")
+                    dt = str(y.dtype).replace("torch.", "")
+                    raise UnsupportedCase(f"the fused tiled MoE kernel does not run {dt} here")
                 y = pack_tiled(y, tiled_panel(y.dtype))
             if i in transposed:
                 y = y.transpose(1, 2).contiguous().transpose(1, 2)

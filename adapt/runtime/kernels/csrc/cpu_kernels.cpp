@@ -21,11 +21,6 @@
 using namespace adapt_cpu;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-#ifdef ADAPT_VW
-#define ADAPT_PANEL (2 * ADAPT_VW)
-#else
-#define ADAPT_PANEL 0
-#endif
 #if ADAPT_VW == 16
   m.attr("VECTOR") = "avx512";
 #elif ADAPT_VW == 8
@@ -44,5 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_combine", &moe_combine);
   m.def("moe_experts_tiled", &moe_experts_tiled);
   m.def("moe_tiled_dtypes", &moe_tiled_dtypes);
-  m.attr("PANEL") = ADAPT_PANEL;
+#ifdef ADAPT_VW
+  m.attr("PANEL") = FMA_NR;  // columns per packed float32 panel of the tiled MoE kernel
+#else
+  m.attr("PANEL") = 0;
+#endif
 }

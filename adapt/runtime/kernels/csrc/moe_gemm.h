@@ -102,29 +102,36 @@ inline void amx_gemm(const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t
 #endif
 
 #ifdef ADAPT_VW
-// registers: MR * 2 accumulators + 2 vectors of B + 1 broadcast (32 with AVX-512, 16 with AVX2)
-constexpr int FMA_MR = VW == 16 ? 12 : 6;
-constexpr int64_t FMA_NR = 2 * VW;  // columns per packed panel
+// registers: MR * NV accumulators + NV vectors of B + 1 broadcast (32 with AVX-512, 16 with AVX2)
+#ifndef ADAPT_FMA_NV
+#define ADAPT_FMA_NV 2
+#endif
+#ifndef ADAPT_FMA_MR
+#define ADAPT_FMA_MR (VW == 16 ? 12 : 6)
+#endif
+constexpr int FMA_NV = ADAPT_FMA_NV;
+constexpr int FMA_MR = ADAPT_FMA_MR;
+constexpr int64_t FMA_NR = FMA_NV * VW;  // columns per packed panel
 
 // rows of C [MR, FMA_NR] (row stride ldc) = A [MR, K] (row stride K) @ one packed panel b [K, FMA_NR]: FMA
 // accumulation in k order, in registers. pf: the next panel, pulled into L2 line by line as k advances.
 template <int MR>
 inline void fma_block(const float* A, int64_t K, const float* b, float* C, int64_t ldc, const float* pf) {
-  vf c0[MR], c1[MR];
-  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = vzero();
+  vf c[MR][FMA_NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < FMA_NV; ++j) c[r][j] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k * FMA_NR), _MM_HINT_T1);
-    const vf v0 = vloadu(b + k * FMA_NR), v1 = vloadu(b + k * FMA_NR + VW);
+    if (pf && FMA_NV > 2) _mm_prefetch(reinterpret_cast<const char*>(pf + k * FMA_NR + 2 * VW), _MM_HINT_T1);
+    vf v[FMA_NV];
+    for (int j = 0; j < FMA_NV; ++j) v[j] = vloadu(b + k * FMA_NR + j * VW);
     for (int r = 0; r < MR; ++r) {
       const vf av = vset1(A[r * K + k]);
-      c0[r] = vfma(av, v0, c0[r]);
-      c1[r] = vfma(av, v1, c1[r]);
+      for (int j = 0; j < FMA_NV; ++j) c[r][j] = vfma(av, v[j], c[r][j]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    vstoreu(C + r * ldc, c0[r]);
-    vstoreu(C + r * ldc + VW, c1[r]);
-  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < FMA_NV; ++j) vstoreu(C + r * ldc + j * VW, c[r][j]);
 }
 
 template <int MR>
@@ -193,7 +200,8 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
   } else {
 #ifdef ADAPT_VW
     TORCH_CHECK(x.scalar_type() == at::kFloat && wgu.dim() == 4 && wd.dim() == 4 && wgu.size(3) == FMA_NR &&
-                    wd.size(3) == FMA_NR, "moe_experts_tiled: float32 weights panel-packed [E, N/P, K, P], P = ", FMA_NR);
+                    wd.size(3) == FMA_NR,
+                "moe_experts_tiled: float32 weights panel-packed [E, N/P, K, P], P = ", FMA_NR);
     N1 = wgu.size(1) * FMA_NR, K1 = wgu.size(2), N2 = wd.size(1) * FMA_NR, K2 = wd.size(2), cols = FMA_NR;
 #else
     TORCH_CHECK(false, "moe_experts_tiled: float32 needs a vector layer, not in this build");
