@@ -227,10 +227,12 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
       slot[fill[e]++] = s;
     }
   }
-  // tasks: row chunks of one expert, at most MC rows, so that the buffers stay in L2 and two threads share a
-  // busy expert; split across threads by cost (padded rows + a fixed share for streaming the weights)
+  // tasks: row chunks of one expert, at most MC rows, so that the buffers stay near L2 and two threads share
+  // a busy expert; split across threads by cost (padded rows + a fixed share for streaming the weights). A
+  // chunk streams its expert's weights once, so MC is at least 64 rows (DeepSeek-V3's experts: 64 rows,
+  // 4 MB of buffers per thread)
   const int64_t per_row = (H + I) * (lowp ? 2 : 4) + (N1 + H) * 4;
-  const int64_t MC = std::max<int64_t>(32, std::min<int64_t>(256, ((1 << 20) / per_row) / 32 * 32));
+  const int64_t MC = std::max<int64_t>(64, std::min<int64_t>(256, ((1 << 20) / per_row) / 32 * 32));
   struct Task {
     int64_t e, r0, n;
   };
