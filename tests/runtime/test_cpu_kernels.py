@@ -223,11 +223,17 @@ def test_scalar_builds_leave_silu_and_rope_to_torch(uninstalled):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not CAN_BUILD or platform.machine() != "x86_64", reason="needs x86-64 Linux, a C++ compiler, ninja")
-@pytest.mark.parametrize("isa,flags", [("avx2", "-mno-avx512f"), ("none", "-mno-avx512f -mno-avx2 -mno-fma")])
+@pytest.mark.parametrize("isa,flags", [("avx2", "-mno-avx512f"), ("none", "-mno-avx512f -mno-avx2 -mno-fma"),
+                                       ("avx512 avx512_bf16", "-mno-amx-tile -mno-amx-bf16")])
 def test_kernels_on_lesser_x86_builds(tmp_path, isa, flags):
-    # the AVX2 form and the scalar form of the fused kernels, built on this host, pass the kernel tests
+    # the AVX2 form and the scalar form of the fused kernels, built on this host, pass the kernel tests; so
+    # does the AVX512-BF16 form of the tiled MoE kernel's bfloat16 GEMM (an AMX host built without AMX)
+    if "bf16" in isa and "avx512_bf16" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX512-BF16")
     env = dict(os.environ, ADAPT_CPU_KERNELS_CFLAGS=flags, ADAPT_CPU_KERNELS_DIR=str(tmp_path / "build"))
-    probe = "from adapt.runtime import cpu_kernels as c; m = c.load(); print(m.VECTOR if m else c.status())"
+    probe = ("from adapt.runtime import cpu_kernels as c; m = c.load(); "
+             "print((m.VECTOR + (' ' + m.moe_tiled_bf16_gemm() if 'bf16' in " + repr(isa) + " else '')) "
+             "if m else c.status())")
     got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
     assert got.stdout.strip() == isa, got.stdout + got.stderr[-500:]
     here = os.path.dirname(__file__)

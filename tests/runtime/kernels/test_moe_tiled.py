@@ -1,5 +1,6 @@
 """The fused tiled MoE kernel (csrc/moe_gemm.h, moe_experts_tiled) against its twin: float32 (the FMA
-kernel), bfloat16 (AMX, where the host has it), packing round trips, row tails and chunks, expert
+kernel), bfloat16 (AMX or AVX512-BF16, where the host has one; `pytest -m slow` also builds the latter
+on an AMX host), packing round trips, row tails and chunks, expert
 parallelism, thread counts, the torch fallback, and inputs it refuses."""
 
 import pytest
@@ -31,7 +32,7 @@ def _need(dtype):
     if cpu_kernels.load() is None:
         pytest.skip(f"fused CPU kernels {cpu_kernels.status()}")
     if not tiles(64, 64, dtype):
-        pytest.skip(f"the tiled MoE kernel does not run {dtype} on this host (bfloat16 needs AMX)")
+        pytest.skip(f"the tiled MoE kernel does not run {dtype} on this host (bfloat16 needs AMX or AVX512-BF16)")
 
 
 def _packed(wgu, wd):

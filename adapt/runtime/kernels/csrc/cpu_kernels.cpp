@@ -39,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_combine", &moe_combine);
   m.def("moe_experts_tiled", &moe_experts_tiled);
   m.def("moe_tiled_dtypes", &moe_tiled_dtypes);
+  m.def("moe_tiled_bf16_gemm", &moe_tiled_bf16_gemm);
 #ifdef ADAPT_VW
   m.attr("PANEL") = FMA_NR;  // columns per packed float32 panel of the tiled MoE kernel
 #else

@@ -158,17 +158,91 @@ inline void fma_gemm(const float* A, int64_t M, int64_t K, const float* B, int64
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define ADAPT_DPBF16 1
+// bfloat16 without AMX (AVX512-BF16: Zen 4, Cooper Lake; or AMX not granted): rows of C [MR, 32] = A [MR, K]
+// (bf16, row stride K) @ two vnni-packed 16-column blocks b0, b1 [K / 32, 16, 32]. Each vdpbf16ps adds a
+// pair of k products per column into float32: A's pair broadcast, B's row of 16 column pairs.
+template <int MR>
+inline void dp_block(const bf16* A, int64_t K, const bf16* b0, const bf16* b1, float* C, int64_t ldc) {
+  __m512 c0[MR], c1[MR];
+  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {  // k pair kp: tile kp / 16, its row kp % 16
+    const int64_t off = (kp / 16) * 512 + (kp % 16) * 32;
+    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(b0 + off), v1 = (__m512bh)_mm512_loadu_si512(b1 + off);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + r * K + 2 * kp, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      c0[r] = _mm512_dpbf16_ps(c0[r], a, v0);
+      c1[r] = _mm512_dpbf16_ps(c1[r], a, v1);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm512_storeu_ps(C + r * ldc, c0[r]);
+    _mm512_storeu_ps(C + r * ldc + 16, c1[r]);
+  }
+}
+
+template <int MR>
+inline void dp_rows(const bf16* A, int64_t rows, int64_t K, const bf16* b0, const bf16* b1, float* C, int64_t ldc) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return dp_block<MR>(A, K, b0, b1, C, ldc);
+    dp_rows<MR - 1>(A, rows, K, b0, b1, C, ldc);
+  }
+}
+
+// C [M, N] float32 = A [M, K] bf16 @ B^T, B vnni-packed [N / 16, K / 32, 16, 32] (the AMX layout), N % 32 == 0
+inline void dp_gemm(const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t N, float* C, int64_t ldc) {
+  constexpr int MR = 12;
+  const int64_t kbs = K / 32;
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {
+    const bf16* b0 = B + (n0 / 16) * kbs * 512;
+    const bf16* b1 = b0 + kbs * 512;
+    int64_t m0 = 0;
+    for (; m0 + MR <= M; m0 += MR) dp_block<MR>(A + m0 * K, K, b0, b1, C + m0 * ldc + n0, ldc);
+    if (m0 < M) dp_rows<MR - 1>(A + m0 * K, M - m0, K, b0, b1, C + m0 * ldc + n0, ldc);
+  }
+}
+#endif
+
+// Which bfloat16 GEMM this process runs: AMX where compiled in and granted, else AVX512-BF16, else none
+inline int bf16_gemm_kind() {
+#ifdef ADAPT_AMX
+  if (amx_permitted()) return 2;
+#endif
+#ifdef ADAPT_DPBF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+inline void bf16_gemm(int kind, const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t N, float* C, int64_t ldc) {
+#ifdef ADAPT_AMX
+  if (kind == 2) return amx_gemm(A, M, K, B, N, C, ldc);
+#endif
+#ifdef ADAPT_DPBF16
+  if (kind == 1) return dp_gemm(A, M, K, B, N, C, ldc);
+#endif
+  TORCH_CHECK(false, "moe_experts_tiled: no bfloat16 GEMM in this build");
+}
+
 // Which dtypes moe_experts_tiled runs on this build and host: float32 with a vector layer, bfloat16 with
-// AMX (compiled in and granted by the kernel).
+// AMX (compiled in and granted by the kernel) or AVX512-BF16.
 inline std::vector<std::string> moe_tiled_dtypes() {
   std::vector<std::string> out;
 #ifdef ADAPT_VW
   out.push_back("float32");
 #endif
-#ifdef ADAPT_AMX
-  if (amx_permitted()) out.push_back("bfloat16");
-#endif
+  if (bf16_gemm_kind() > 0) out.push_back("bfloat16");
   return out;
+}
+
+// the bfloat16 GEMM the tiled kernel runs here: "amx", "avx512_bf16" or "none"
+inline std::string moe_tiled_bf16_gemm() {
+  const int k = bf16_gemm_kind();
+  return k == 2 ? "amx" : k == 1 ? "avx512_bf16" : "none";
 }
 
 // out [T, H] = sum over k with a local expert of w[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, k]
@@ -189,11 +263,7 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
   const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), E = wgu.size(0), S = T * K;
   int64_t N1, K1, N2, K2, cols;  // cols: the kernel's column block
   if (lowp) {
-#ifdef ADAPT_AMX
-    TORCH_CHECK(amx_permitted(), "moe_experts_tiled: the kernel does not grant AMX to this process");
-#else
-    TORCH_CHECK(false, "moe_experts_tiled: bfloat16 needs AMX, not in this build");
-#endif
+    TORCH_CHECK(bf16_gemm_kind() > 0, "moe_experts_tiled: bfloat16 needs AMX (granted) or AVX512-BF16");
     TORCH_CHECK(wgu.dim() == 5 && wd.dim() == 5 && wgu.size(3) == 16 && wgu.size(4) == 32 && wd.size(3) == 16 &&
                     wd.size(4) == 32, "moe_experts_tiled: bfloat16 weights vnni-packed [E, N/16, K/32, 16, 32]");
     N1 = wgu.size(1) * 16, K1 = wgu.size(2) * 32, N2 = wd.size(1) * 16, K2 = wd.size(2) * 32, cols = 32;
@@ -249,6 +319,7 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
   auto ys = torch::empty({R, H}, x.options());
   auto out = torch::empty({T, H}, x.options());
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (int64_t)tasks.size()));
+  const int kind = lowp ? bf16_gemm_kind() : 0;
   float_or_bf16(x, "moe_experts_tiled", [&](auto tag) {
     using X = decltype(tag);
     const X* xp = x.data_ptr<X>();
@@ -265,7 +336,8 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
         std::vector<X> xa(mp * H), act(mp * I);
         std::vector<float> c1(mp * N1), c2(mp * H);
 #ifdef ADAPT_AMX
-        if constexpr (std::is_same_v<X, bf16>) amx_config();
+        if constexpr (std::is_same_v<X, bf16>)
+          if (kind == 2) amx_config();
 #endif
         for (int64_t j = a; j < std::min<int64_t>(b, tasks.size()); ++j) {
           const Task& tk = tasks[j];
@@ -276,9 +348,7 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
           const X* w1 = gup + tk.e * N1 * H;
           const X* w2 = dp + tk.e * H * I;
           if constexpr (std::is_same_v<X, bf16>) {
-#ifdef ADAPT_AMX
-            amx_gemm(xa.data(), m, H, w1, N1, c1.data(), N1);
-#endif
+            bf16_gemm(kind, xa.data(), m, H, w1, N1, c1.data(), N1);
           } else {
 #ifdef ADAPT_VW
             fma_gemm(xa.data(), m, H, w1, N1, c1.data(), N1);
@@ -304,9 +374,7 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
             }
           }
           if constexpr (std::is_same_v<X, bf16>) {
-#ifdef ADAPT_AMX
-            amx_gemm(act.data(), m, I, w2, H, c2.data(), H);
-#endif
+            bf16_gemm(kind, act.data(), m, I, w2, H, c2.data(), H);
           } else {
 #ifdef ADAPT_VW
             fma_gemm(act.data(), m, I, w2, H, c2.data(), H);
@@ -323,7 +391,8 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
           }
         }
 #ifdef ADAPT_AMX
-        if constexpr (std::is_same_v<X, bf16>) _tile_release();
+        if constexpr (std::is_same_v<X, bf16>)
+          if (kind == 2) _tile_release();
 #endif
       }
     });
