@@ -48,6 +48,35 @@ std::vector<torch::Tensor> moe_pad_gather(torch::Tensor x, torch::Tensor order, 
   return {xp, pos};
 }
 
+// op[t] = sum over k with pos[t * K + k] >= 0 of w[t, k] * yp[pos], float32 in k order, rounded once to X
+template <typename X>
+void combine_rows(const X* yp, const int64_t* pos, const float* wp, int64_t T, int64_t K, int64_t H, X* op) {
+  at::parallel_for(0, T, grain(H * K), [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t p = pos[t * K + k];
+        if (p < 0) continue;  // a slot served by another rank
+        const X* row = yp + p * H;
+        const float wk = wp[t * K + k];
+        int64_t i = 0;
+#ifdef ADAPT_VW
+        const vf vw = vset1(wk);
+        for (; i + VW <= H; i += VW) vstoreu(acc.data() + i, vadd(vloadu(acc.data() + i), vmul(vw, vload(row + i))));
+#endif
+        for (; i < H; ++i) acc[i] += wk * f32(row[i]);
+      }
+      X* o = op + t * H;
+      int64_t i = 0;
+#ifdef ADAPT_VW
+      for (; i + VW <= H; i += VW) vstore(o + i, vloadu(acc.data() + i));
+#endif
+      for (; i < H; ++i) o[i] = from_f32<X>(acc[i]);
+    }
+  });
+}
+
 // out[t] = sum_k w[t, k] * ys[pos[t * K + k]], summed in float32 in k order, rounded once to ys' dtype.
 torch::Tensor moe_combine(torch::Tensor ys, torch::Tensor pos, torch::Tensor w) {
   TORCH_CHECK(ys.dim() == 2 && ys.is_contiguous() && pos.scalar_type() == at::kLong && pos.is_contiguous() &&
@@ -57,35 +86,9 @@ torch::Tensor moe_combine(torch::Tensor ys, torch::Tensor pos, torch::Tensor w) 
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t i = 0; i < T * K; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < R, "moe_combine: row out of range");
   auto out = torch::empty({T, H}, ys.options());
-  const float* wp = w.data_ptr<float>();
   float_or_bf16(ys, "moe_combine", [&](auto tag) {
     using X = decltype(tag);
-    const X* yp = ys.data_ptr<X>();
-    X* op = out.data_ptr<X>();
-    at::parallel_for(0, T, grain(H * K), [&](int64_t t0, int64_t t1) {
-      std::vector<float> acc(H);
-      for (int64_t t = t0; t < t1; ++t) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t k = 0; k < K; ++k) {
-          const X* row = yp + pp[t * K + k] * H;
-          const float wk = wp[t * K + k];
-          int64_t i = 0;
-#ifdef ADAPT_VW
-          const vf vw = vset1(wk);
-          for (; i + VW <= H; i += VW)
-            vstoreu(acc.data() + i, vadd(vloadu(acc.data() + i),
-                                                           vmul(vw, vload(row + i))));
-#endif
-          for (; i < H; ++i) acc[i] += wk * f32(row[i]);
-        }
-        X* o = op + t * H;
-        int64_t i = 0;
-#ifdef ADAPT_VW
-        for (; i + VW <= H; i += VW) vstore(o + i, vloadu(acc.data() + i));
-#endif
-        for (; i < H; ++i) o[i] = from_f32<X>(acc[i]);
-      }
-    });
+    combine_rows(ys.data_ptr<X>(), pp, w.data_ptr<float>(), T, K, H, out.data_ptr<X>());
   });
   return out;
 }

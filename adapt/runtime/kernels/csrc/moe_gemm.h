@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.h"
+#include "moe.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -50,53 +51,48 @@ inline void amx_config() {
   _tile_loadconfig(&c);
 }
 
+// MB 16-row blocks of C (MB = 1 or 2) at c (row stride ldc) = A rows at a0 (row stride K) @ the 32 columns of
+// the B tile columns b0, b1 (vnni-packed, kbs tiles of k each)
+template <int MB>
+inline void amx_block(const bf16* a0, int64_t K, const bf16* b0, const bf16* b1, int64_t kbs, float* c, int64_t ldc) {
+  const int64_t sa = K * 2, sc = ldc * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (MB == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    _tile_loadd(4, a0 + kb * 32, sa);
+    _tile_loadd(6, b0 + kb * 512, 64);
+    _tile_loadd(7, b1 + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MB == 2) {
+      _tile_loadd(5, a0 + 16 * K + kb * 32, sa);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, sc);
+  _tile_stored(1, c + 16, sc);
+  if constexpr (MB == 2) {
+    _tile_stored(2, c + 16 * ldc, sc);
+    _tile_stored(3, c + 16 * ldc + 16, sc);
+  }
+}
+
 // C [M, N] float32 (row stride ldc) = A [M, K] bf16 (row stride K) @ B^T, B vnni-packed [N / 16, K / 32,
 // 16, 32]. M % 16 == 0 (rows past the caller's are zeros), N % 32 == 0, K % 32 == 0. Columns outer, so
 // that a 32-column B panel stays in L1 while the row blocks stream past it.
 inline void amx_gemm(const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t N, float* C, int64_t ldc) {
-  const int64_t kbs = K / 32, sa = K * 2, sc = ldc * 4;
+  const int64_t kbs = K / 32;
   for (int64_t n0 = 0; n0 < N; n0 += 32) {
     const bf16* b0 = B + (n0 / 16) * kbs * 512;
     const bf16* b1 = b0 + kbs * 512;
     int64_t m0 = 0;
-    for (; m0 + 32 <= M; m0 += 32) {
-      const bf16* a0 = A + m0 * K;
-      const bf16* a1 = a0 + 16 * K;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t kb = 0; kb < kbs; ++kb) {
-        _tile_loadd(4, a0 + kb * 32, sa);
-        _tile_loadd(6, b0 + kb * 512, 64);
-        _tile_loadd(7, b1 + kb * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a1 + kb * 32, sa);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      float* c = C + m0 * ldc + n0;
-      _tile_stored(0, c, sc);
-      _tile_stored(1, c + 16, sc);
-      _tile_stored(2, c + 16 * ldc, sc);
-      _tile_stored(3, c + 16 * ldc + 16, sc);
-    }
-    if (m0 < M) {  // a last 16-row block
-      const bf16* a0 = A + m0 * K;
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t kb = 0; kb < kbs; ++kb) {
-        _tile_loadd(4, a0 + kb * 32, sa);
-        _tile_loadd(6, b0 + kb * 512, 64);
-        _tile_loadd(7, b1 + kb * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-      }
-      float* c = C + m0 * ldc + n0;
-      _tile_stored(0, c, sc);
-      _tile_stored(1, c + 16, sc);
-    }
+    for (; m0 + 32 <= M; m0 += 32) amx_block<2>(A + m0 * K, K, b0, b1, kbs, C + m0 * ldc + n0, ldc);
+    if (m0 < M) amx_block<1>(A + m0 * K, K, b0, b1, kbs, C + m0 * ldc + n0, ldc);  // a last 16-row block
   }
 }
 #endif
@@ -326,6 +322,16 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
     X* yp = ys.data_ptr<X>();
     const X* gup = wgu.data_ptr<X>();
     const X* dp = wd.data_ptr<X>();
+    // C [M, N] float32 (row stride N) = A [M, K] @ packed B^T, by this dtype's GEMM
+    auto gemm = [kind](const X* A, int64_t M, int64_t Kd, const X* B, int64_t N, float* C) {
+      if constexpr (std::is_same_v<X, bf16>) {
+        bf16_gemm(kind, A, M, Kd, B, N, C, N);
+      } else {
+#ifdef ADAPT_VW
+        fma_gemm(A, M, Kd, B, N, C, N);
+#endif
+      }
+    };
     at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t ti = i0; ti < i1; ++ti) {
         // this thread's tasks: those whose cost ends in its share
@@ -347,13 +353,7 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
           if (m > n) std::memset(static_cast<void*>(xa.data() + n * H), 0, (m - n) * H * sizeof(X));
           const X* w1 = gup + tk.e * N1 * H;
           const X* w2 = dp + tk.e * H * I;
-          if constexpr (std::is_same_v<X, bf16>) {
-            bf16_gemm(kind, xa.data(), m, H, w1, N1, c1.data(), N1);
-          } else {
-#ifdef ADAPT_VW
-            fma_gemm(xa.data(), m, H, w1, N1, c1.data(), N1);
-#endif
-          }
+          gemm(xa.data(), m, H, w1, N1, c1.data());
           // act = T(silu(T(gate))) * T(up), rounded to T (the torch form's F.linear then silu_and_mul)
           for (int64_t r = 0; r < m; ++r) {
             const float* g = c1.data() + r * N1;
@@ -373,13 +373,7 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
               o[i] = from_f32<X>(rnd<X>(gv / (1.f + exp_f32(-gv))) * rnd<X>(u[i]));
             }
           }
-          if constexpr (std::is_same_v<X, bf16>) {
-            bf16_gemm(kind, act.data(), m, I, w2, H, c2.data(), H);
-          } else {
-#ifdef ADAPT_VW
-            fma_gemm(act.data(), m, I, w2, H, c2.data(), H);
-#endif
-          }
+          gemm(act.data(), m, I, w2, H, c2.data());
           for (int64_t r = 0; r < n; ++r) {
             const float* c = c2.data() + r * H;
             X* y = yp + (tk.r0 + r) * H;
@@ -397,32 +391,7 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
       }
     });
     // the combine: out[t] = sum over local k of w[t, k] * ys[pos], float32 in k order, rounded once
-    const float* wp = w.data_ptr<float>();
-    X* op = out.data_ptr<X>();
-    at::parallel_for(0, T, grain(H * K), [&](int64_t t0, int64_t t1) {
-      std::vector<float> acc(H);
-      for (int64_t t = t0; t < t1; ++t) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t k = 0; k < K; ++k) {
-          const int64_t p = pos[t * K + k];
-          if (p < 0) continue;
-          const X* row = yp + p * H;
-          const float wk = wp[t * K + k];
-          int64_t i = 0;
-#ifdef ADAPT_VW
-          const vf vw = vset1(wk);
-          for (; i + VW <= H; i += VW) vstoreu(acc.data() + i, vadd(vloadu(acc.data() + i), vmul(vw, vload(row + i))));
-#endif
-          for (; i < H; ++i) acc[i] += wk * f32(row[i]);
-        }
-        X* o = op + t * H;
-        int64_t i = 0;
-#ifdef ADAPT_VW
-        for (; i + VW <= H; i += VW) vstore(o + i, vloadu(acc.data() + i));
-#endif
-        for (; i < H; ++i) o[i] = from_f32<X>(acc[i]);
-      }
-    });
+    combine_rows(static_cast<const X*>(yp), pos.data(), w.data_ptr<float>(), T, K, H, out.data_ptr<X>());
   });
   return out;
 }
