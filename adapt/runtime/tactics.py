@@ -145,6 +145,7 @@ TACTICS = Tactics("host")
 
 _PACK_TRIALS: dict[tuple, bool] = {}
 _TRIAL_TOKENS = (4, 128)
+_TRIAL_EXPERTS = 32
 
 
 def packing_wins(block, dtype: torch.dtype, form: str = "onednn") -> bool:
@@ -154,14 +155,16 @@ def packing_wins(block, dtype: torch.dtype, form: str = "onednn") -> bool:
     (best of three after a warm-up) on random tokens with skewed routing (expert e drawn with weight
     1 / (e + 1)) at _TRIAL_TOKENS tokens; packed wins when its geometric-mean time ratio is below 1.
     Measured once per (dtype, experts, hidden, intermediate, top-k) and host (TACTICS' timing cache), on
-    copies of the weights, so the block is untouched."""
+    packed copies of at most _TRIAL_EXPERTS of the block's experts (a DeepSeek-V3 layer's 256 bfloat16
+    experts are 11 GB; 32 of them hold the same GEMM shapes), so the block is untouched."""
     e, h, inter, k = len(block.experts), block.hidden_size, block.num_inter, block.moe.top_k
     key = (dtype, e, h, inter, k) if form == "onednn" else (dtype, e, h, inter, k, form)
     if key not in _PACK_TRIALS and isinstance(TACTICS.recall("packing", key), bool):
         _PACK_TRIALS[key] = TACTICS.recall("packing", key)
     if key not in _PACK_TRIALS:
         g = torch.Generator().manual_seed(0)
-        gu, dn = block.w_gate_up.detach(), block.w_down.detach()
+        sub = min(e, _TRIAL_EXPERTS)
+        gu, dn = block.w_gate_up.detach()[:sub], block.w_down.detach()[:sub]
         if form == "tiled":
             p = tiled_panel(dtype)
             pg, pd = pack_tiled(gu, p), pack_tiled(dn, p)
@@ -169,11 +172,11 @@ def packing_wins(block, dtype: torch.dtype, form: str = "onednn") -> bool:
         else:
             pg, pd = pack_expert_weights(gu), pack_expert_weights(dn)
             packed = moe_experts_packed
-        probs = 1.0 / torch.arange(1, e + 1, dtype=torch.float32)
+        probs = 1.0 / torch.arange(1, sub + 1, dtype=torch.float32)
         log_ratio = 0.0
         for t in _TRIAL_TOKENS:
             x = torch.randn(t, h, generator=g).to(dtype)
-            ids = torch.multinomial(probs.expand(t, e), min(k, e), generator=g) + block.expert_offset
+            ids = torch.multinomial(probs.expand(t, sub), min(k, sub), generator=g) + block.expert_offset
             w = torch.rand(t, ids.shape[1], generator=g).to(dtype)
             best = []
             for fn in (lambda: moe_experts_fused(x, w, ids, gu, dn, block.expert_offset, TACTICS.run),

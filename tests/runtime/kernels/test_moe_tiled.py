@@ -155,3 +155,27 @@ def test_bad_inputs_are_errors_not_reads_out_of_bounds():
     out = ext.moe_experts_tiled(x, bad, w.float(), pg, pd, 0)
     keep = (bad >= 0) & (bad < 4)
     assert_fp32_close(out, moe_experts_ref(x, w * keep, bad.clamp(0, 3), wgu[:, :32], wgu[:, 32:], wd))
+
+
+def test_the_load_trial_packs_a_subset_of_a_wide_layer(monkeypatch):
+    # packing_wins times the tiled form on at most 32 of a block's experts (a copy), not the whole layer
+    _need(torch.float32)
+    import adapt.runtime.tactics as tactics
+
+    x, w, ids, wgu, wd = _case(4, 64, 32, 40, 2, seed=9)
+
+    class Block:  # what packing_wins reads from a MoE module
+        experts, hidden_size, num_inter, expert_offset = tuple(range(40)), 64, 32, 0
+        w_gate_up, w_down = wgu.transpose(1, 2).contiguous().transpose(1, 2), wd
+
+        class moe:
+            top_k = 2
+
+    packed = []
+    real = tactics.pack_tiled
+    monkeypatch.setattr(tactics, "pack_tiled", lambda t, p: packed.append(t.shape[0]) or real(t, p))
+    monkeypatch.setattr(tactics.TACTICS, "recall", lambda *a: None)
+    monkeypatch.setattr(tactics.TACTICS, "remember", lambda *a: None)
+    monkeypatch.setattr(tactics, "_PACK_TRIALS", {})
+    assert isinstance(tactics.packing_wins(Block, torch.float32, "tiled"), bool)
+    assert packed == [32, 32] and torch.equal(Block.w_gate_up, wgu)
