@@ -31,6 +31,7 @@ from adapt.runtime import cpu_kernels
 from adapt.runtime.kernels import get_kernels
 from adapt.runtime.loader import load_weights, materialize
 from adapt.runtime.models.layers import PACK_DTYPES_ALL, PACK_DTYPES_EXACT, can_prepack, prepack_linears
+from adapt.runtime.models.moe import experts_form
 from adapt.runtime.model_runner import ModelRunner, prefill_tiles
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.registry import model_class
@@ -234,6 +235,7 @@ class Engine:
             "total_s": round(total_s, 6), "steps": st["steps"], "preemptions": st["preemptions"],
             "cpu_kernels": (None if self.device.type != "cpu" else cpu_kernels.status() if self.kernels.impl == "adapt"
                             else "off (--kernels reference)"),
+            "moe_experts": experts_form(self.model),  # tiled / oneDNN packed / stacked (models/moe.py)
             "kv_cache": {
                 "dtype": "int8" if self.pool.spec.quant == "int8" else str(self.pool.spec.dtype).replace("torch.", ""),
                 "block_size": bs, "blocks_total": self.pool.num_blocks, "blocks_peak_used": st["peak_blocks"],

@@ -224,6 +224,10 @@ def test_tiled_moe_experts_keep_tokens_and_logits(k2, dtype, monkeypatch):
     exact = Engine.from_pretrained(k2, dtype=dtype, kv_cache_memory="16MiB", prepack="exact")
     moes = [m for m in tiled.model.modules() if hasattr(m, "pack_experts")]
     assert moes and all(m.tiled is not None and m.w_gate_up is None for m in moes)
+    tiled.generate([[1, 2, 3]], GREEDY)
+    assert tiled.last_stats["moe_experts"].startswith("tiled (")
+    plain.generate([[1, 2, 3]], GREEDY)
+    assert plain.last_stats["moe_experts"] == "stacked"
     assert not any(m.tiled is not None for e in (plain, exact) for m in e.model.modules() if hasattr(m, "tiled"))
     ids = [0, 5, 9, 33, 2, 17, 40]
     a, b = tiled.prefill_logits(ids).float(), plain.prefill_logits(ids).float()

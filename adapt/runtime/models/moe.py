@@ -26,6 +26,25 @@ from adapt.runtime.tactics import TACTICS, packing_wins
 from adapt.spec import ModelSpec
 
 
+def experts_form(model: nn.Module) -> str | None:
+    """How the model's routed experts run (engine stats): "tiled (amx)", "tiled (avx512_bf16)", "tiled
+    (fma)", "oneDNN packed" or "stacked" (the timed paths), joined where layers differ; None without MoE."""
+    from adapt.runtime.kernels import fused
+
+    forms = []
+    for m in model.modules():
+        if isinstance(m, MoE):
+            if m.tiled is not None:
+                ext = fused.installed()
+                how = ext.moe_tiled_bf16_gemm() if m.tiled[0].dtype == torch.bfloat16 and ext is not None else "fma"
+                f = f"tiled ({how})"
+            else:
+                f = "oneDNN packed" if m.packed is not None else "stacked"
+            if f not in forms:
+                forms.append(f)
+    return ", ".join(forms) or None
+
+
 class MoE(nn.Module):
     def __init__(self, spec: ModelSpec, n: LayoutNames, i: int, ctx: ParallelContext):
         super().__init__()
