@@ -4,10 +4,10 @@
 
 Each expert's weights are packed once at load (``pack_tiled``): float32 in column panels of two vector
 widths for an FMA micro-kernel, bfloat16 in AMX tiles (read by AMX, or by AVX512-BF16's vdpbf16ps where
-the CPU has no AMX). One call groups the slots by expert (a counting
-sort), gathers each expert's rows, runs gate|up, SiLU-and-mul and down, and the weighted combine, with no
-torch op between them: on a CPU, each torch op between two weight GEMMs costs a fixed 15-25 us, and
-oneDNN re-packs stacked bfloat16 weights on every call. Rounding follows the torch form: in bfloat16,
+the CPU has no AMX). One call groups the slots by expert (a counting sort), gathers each expert's rows,
+runs gate|up, SiLU-and-mul and down, and the weighted combine, with no torch op between them: on a CPU,
+each torch op between two weight GEMMs costs a fixed 15-25 us, and oneDNN re-packs stacked bfloat16
+weights on every call. Rounding follows the torch form: in bfloat16,
 gate|up and down round to bfloat16 after their float32 accumulation, silu rounds, then the product; the
 combine sums in float32. MoE.pack_experts takes it at load where a timed trial says it wins. On a 2-core
 AMX Xeon, 32 experts top-4, H 512, I 256, experts alone, stacked / tiled, ms: bfloat16 512 tokens 5.7 /
@@ -42,9 +42,9 @@ def moe_experts_tiled(
 
 def tiled_panel(dtype: torch.dtype) -> int:
     """Columns per packed block of the tiled kernel for ``dtype`` on this build and host (0: it does not
-    run): float32 two vector widths (32 with AVX-512, 16 with AVX2), bfloat16 16 (an AMX tile; the AVX512-BF16
-    form reads the same layout). The
-    installed module's, also inside fused.disabled(): the torch form then unpacks the same layout."""
+    run): float32 two vector widths (32 with AVX-512, 16 with AVX2), bfloat16 16 (an AMX tile; the
+    AVX512-BF16 form reads the same layout). The installed module's, also inside fused.disabled(): the
+    torch form then unpacks the same layout."""
     ext = fused.installed()
     if ext is None or str(dtype).removeprefix("torch.") not in ext.moe_tiled_dtypes():
         return 0

@@ -110,8 +110,8 @@ class MoE(nn.Module):
         of packed weights. The winner flips between CPUs: float32 on a 2-core AMD EPYC, 32 experts top-4,
         H 512, I 256, ms for the experts alone, stacked / packed: 4 tokens 2.9 / 2.3, 512 tokens 18.0 /
         13.2; on a 2-core AMX Xeon the stacked loop and grouped_mm beat the packed loop (512 tokens
-        8.6 / 8.3 against 10.5 ms). bfloat16 stays stacked: its padded batched GEMMs, which the packed
-        form cannot run, win on AMX from ~64 rows per expert, and A/B runs of the loop were mixed."""
+        8.6 / 8.3 against 10.5 ms). bfloat16 is never packed for oneDNN: its padded batched GEMMs, which
+        that form cannot run, won on AMX from ~64 rows per expert (the tiled kernel beats both there)."""
         w = self.w_gate_up
         if self.packed is not None or self.tiled is not None or w is None or w.device.type != "cpu":
             return 0
