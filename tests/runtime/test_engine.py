@@ -240,6 +240,16 @@ def test_tiled_moe_experts_keep_tokens_and_logits(k2, dtype, monkeypatch):
         assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item() > 0.999
 
 
+def test_a_pinned_moe_strategy_keeps_the_experts_stacked(k2, monkeypatch):
+    import adapt.runtime.models.moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "packing_wins", lambda block, dtype, form="onednn": True)
+    monkeypatch.setenv("ADAPT_MOE_STRATEGY", "loop")
+    eng = Engine.from_pretrained(k2, kv_cache_memory="16MiB")
+    eng.generate([[1, 2, 3]], GREEDY)
+    assert eng.last_stats["moe_experts"] == "stacked"
+
+
 def test_a_bad_moe_strategy_pin_is_refused_at_load(llama, monkeypatch):
     from adapt.errors import RuntimeConfigError
 

@@ -12,6 +12,8 @@ experts run as one grouped kernel; under expert parallelism each rank computes o
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 
@@ -22,7 +24,7 @@ from adapt.runtime.models.layers import Linear, _param, linear, slot_loader
 from adapt.runtime.models.mlp import DenseMLP
 from adapt.runtime.models.names import LayoutNames
 from adapt.runtime.parallel import ParallelContext
-from adapt.runtime.tactics import TACTICS, packing_wins
+from adapt.runtime.tactics import STRATEGY_ENV, TACTICS, packing_wins
 from adapt.spec import ModelSpec
 
 
@@ -114,6 +116,8 @@ class MoE(nn.Module):
         that form cannot run, won on AMX from ~64 rows per expert (the tiled kernel beats both there)."""
         w = self.w_gate_up
         if self.packed is not None or self.tiled is not None or w is None or w.device.type != "cpu":
+            return 0
+        if os.environ.get(STRATEGY_ENV, "auto") != "auto":  # a pinned path runs on the stacked experts
             return 0
         h, inter = self.hidden_size, self.num_inter
         if (tiled and tiles(2 * inter, h, w.dtype) and tiles(h, inter, w.dtype)
