@@ -2,8 +2,8 @@
 
 # Legend: T tokens, H hidden size, I expert intermediate size, K top-k, E local experts.
 
-Each expert's weights are packed once at load (``pack_tiled``): float32 in column panels of two vector
-widths for an FMA micro-kernel, bfloat16 in AMX tiles (read by AMX, or by AVX512-BF16's vdpbf16ps where
+Each expert's weights are packed once at load (``pack_tiled``): float32 in column panels for an FMA
+micro-kernel, bfloat16 in AMX tiles (read by AMX, or by AVX512-BF16's vdpbf16ps where
 the CPU has no AMX). One call groups the slots by expert (a counting sort), gathers each expert's rows,
 runs gate|up, SiLU-and-mul and down, and the weighted combine, with no torch op between them: on a CPU,
 each torch op between two weight GEMMs costs a fixed 15-25 us, and oneDNN re-packs stacked bfloat16
@@ -42,7 +42,7 @@ def moe_experts_tiled(
 
 def tiled_panel(dtype: torch.dtype) -> int:
     """Columns per packed block of the tiled kernel for ``dtype`` on this build and host (0: it does not
-    run): float32 two vector widths (32 with AVX-512, 16 with AVX2), bfloat16 16 (an AMX tile; the
+    run): float32 the FMA kernel's panel (64 with AVX-512, 16 with AVX2), bfloat16 16 (an AMX tile; the
     AVX512-BF16 form reads the same layout). The installed module's, also inside fused.disabled(): the
     torch form then unpacks the same layout."""
     ext = fused.installed()

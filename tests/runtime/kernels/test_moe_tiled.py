@@ -54,7 +54,7 @@ def test_pack_and_unpack_are_inverse_and_lay_out_tiles(dtype, panel):
 
 @pytest.mark.parametrize(
     "t,h,inter,e,k",
-    [(1, 64, 32, 8, 2), (13, 32, 16, 6, 2), (50, 96, 48, 5, 3), (300, 64, 32, 4, 1), (37, 64, 96, 8, 4)],
+    [(1, 64, 32, 8, 2), (13, 128, 32, 6, 2), (50, 192, 96, 5, 3), (300, 64, 32, 4, 1), (37, 64, 96, 8, 4)],
 )
 def test_float32_matches_twin(t, h, inter, e, k):
     _need(torch.float32)
