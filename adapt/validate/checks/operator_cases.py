@@ -50,7 +50,7 @@ def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh
           tile: tuple[int, ...] = ()) -> Case:
     """``fresh``: positions cloned per call (caches written in place); ``keep_fp32``: never cast;
     ``pack``: stacked expert weights [E, N, K], packed per expert for oneDNN after the cast;
-    ``tile``: stacked expert weights packed for the fused tiled MoE kernel (moe_experts.pack_tiled);
+    ``tile``: stacked expert weights packed for the fused tiled MoE kernel (moe_tiled.pack_tiled);
     ``transposed``: [E, N, K] weights held as views of [E, K, N] storage, as the runtime's MoE holds them."""
     kwargs = kwargs or {}
 
