@@ -34,10 +34,20 @@ def moe_experts_tiled(
     autograd); otherwise the weights are unpacked (a copy) and the stacked kernel runs."""
     ext = fused.module()
     if (ext is not None and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
-            and str(x.dtype).removeprefix("torch.") in ext.moe_tiled_dtypes()):
+            and x.dtype in _dtypes(ext)):
         return ext.moe_experts_tiled(x.contiguous(), ids.to(torch.long).contiguous(), weights.float().contiguous(),
                                      w_gate_up, w_down, expert_offset)
     return moe_experts_fused(x, weights, ids, unpack_tiled(w_gate_up), unpack_tiled(w_down), expert_offset, choose)
+
+
+def _dtypes(ext) -> frozenset:
+    """The dtypes the installed module's tiled kernel runs (asked once per module: it probes AMX)."""
+    if ext not in _DTYPES:
+        _DTYPES[ext] = frozenset(getattr(torch, d) for d in ext.moe_tiled_dtypes())
+    return _DTYPES[ext]
+
+
+_DTYPES: dict = {}
 
 
 def tiled_panel(dtype: torch.dtype) -> int:
@@ -46,7 +56,7 @@ def tiled_panel(dtype: torch.dtype) -> int:
     AVX512-BF16 form reads the same layout). The installed module's, also inside fused.disabled(): the
     torch form then unpacks the same layout."""
     ext = fused.installed()
-    if ext is None or str(dtype).removeprefix("torch.") not in ext.moe_tiled_dtypes():
+    if ext is None or dtype not in _dtypes(ext):
         return 0
     return 16 if dtype == torch.bfloat16 else int(ext.PANEL)
 

@@ -104,6 +104,17 @@ inline void amx_gemm(const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t
 }
 #endif
 
+// ---------------------------------------------------------------------------------------------------
+// f(std::integral_constant<int, r>{}) for the row count r = rows of a tail block (0 < rows <= MR): the
+// register-blocked kernels take their row count as a template parameter
+template <int MR, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return f(std::integral_constant<int, MR>{});
+    with_rows<MR - 1>(rows, f);
+  }
+}
+
 #ifdef ADAPT_VW
 // registers: MR * NV accumulators + NV vectors of B + 1 broadcast (32 with AVX-512, 16 with AVX2)
 // AVX-512: 6 rows x 4 vectors (64 columns); 12 x 2 was 5-8% slower at 512 tokens (A/B in one process)
@@ -139,14 +150,6 @@ inline void fma_block(const float* A, int64_t K, const float* b, float* C, int64
     for (int j = 0; j < FMA_NV; ++j) vstoreu(C + r * ldc + j * VW, c[r][j]);
 }
 
-template <int MR>
-inline void fma_rows(const float* A, int64_t rows, int64_t K, const float* b, float* C, int64_t ldc,
-                     const float* pf) {
-  if constexpr (MR > 0) {
-    if (rows == MR) return fma_block<MR>(A, K, b, C, ldc, pf);
-    fma_rows<MR - 1>(A, rows, K, b, C, ldc, pf);
-  }
-}
 
 // C [M, N] float32 = A [M, K] float32 (row stride K) @ B^T, B panel-packed [N / FMA_NR, K, FMA_NR].
 // Panels outer, so that one (K x 128 bytes) stays in L2 while the row blocks stream past it; the first
@@ -158,7 +161,10 @@ inline void fma_gemm(const float* A, int64_t M, int64_t K, const float* B, int64
     int64_t m0 = 0;
     for (; m0 + FMA_MR <= M; m0 += FMA_MR, pf = nullptr)
       fma_block<FMA_MR>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, pf);
-    if (m0 < M) fma_rows<FMA_MR - 1>(A + m0 * K, M - m0, K, b, C + m0 * ldc + n0, ldc, pf);
+    if (m0 < M)
+      with_rows<FMA_MR - 1>(M - m0, [&](auto r) {
+        fma_block<decltype(r)::value>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, pf);
+      });
   }
 }
 #endif
@@ -189,13 +195,6 @@ inline void dp_block(const bf16* A, int64_t K, const bf16* b0, const bf16* b1, f
   }
 }
 
-template <int MR>
-inline void dp_rows(const bf16* A, int64_t rows, int64_t K, const bf16* b0, const bf16* b1, float* C, int64_t ldc) {
-  if constexpr (MR > 0) {
-    if (rows == MR) return dp_block<MR>(A, K, b0, b1, C, ldc);
-    dp_rows<MR - 1>(A, rows, K, b0, b1, C, ldc);
-  }
-}
 
 // C [M, N] float32 = A [M, K] bf16 @ B^T, B vnni-packed [N / 16, K / 32, 16, 32] (the AMX layout), N % 32 == 0
 inline void dp_gemm(const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t N, float* C, int64_t ldc) {
@@ -206,7 +205,10 @@ inline void dp_gemm(const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t 
     const bf16* b1 = b0 + kbs * 512;
     int64_t m0 = 0;
     for (; m0 + MR <= M; m0 += MR) dp_block<MR>(A + m0 * K, K, b0, b1, C + m0 * ldc + n0, ldc);
-    if (m0 < M) dp_rows<MR - 1>(A + m0 * K, M - m0, K, b0, b1, C + m0 * ldc + n0, ldc);
+    if (m0 < M)
+      with_rows<MR - 1>(M - m0, [&](auto r) {
+        dp_block<decltype(r)::value>(A + m0 * K, K, b0, b1, C + m0 * ldc + n0, ldc);
+      });
   }
 }
 #endif
