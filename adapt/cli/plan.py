@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -15,9 +15,10 @@ from adapt.cli.output import atomic_write, check_choice, emit, err_console, to_j
 from adapt.errors import PlanError
 from adapt.plan import coverage, layout_of
 from adapt.plan_file import load_plan, plan_to_yaml
-from adapt.profile.planner import Workload, check_plan, launch_flags, load_cluster, make_cluster, search
-from adapt.profile.planner.search import Candidate
 from adapt.source import resolve_model
+
+if TYPE_CHECKING:
+    from adapt.profile.planner.search import Candidate
 
 _F = Optional[float]
 _I = Optional[int]
@@ -59,6 +60,8 @@ def plan_cmd(
     check_choice(fmt, ("table", "json"), "--format")
     if emit_engine is not None:
         check_choice(emit_engine, ("vllm", "sglang"), "--emit")
+    from adapt.profile.planner import Workload, load_cluster, make_cluster, search  # only this command needs it
+
     src = resolve_model(model)
     spec = src.spec()
     link = dict(devices_per_node=devices_per_node, nodes=nodes, max_nodes=max_nodes,
@@ -101,11 +104,16 @@ def _est(c: Candidate) -> dict:
 
 
 def _flags(engine, name, c, cluster, work) -> list[str]:
+    from adapt.profile.planner import launch_flags
+
     return launch_flags(engine, name, c.tp, c.pp, c.ep, c.dp, c.nodes, work.context, work.concurrency,
                         cluster.memory_utilization, work.kv_dtype)
 
 
 def _check(path, name, spec, cluster, work, fmt, emit_engine) -> None:
+    from adapt.profile.planner import check_plan
+    from adapt.profile.planner.search import Candidate
+
     plan = load_plan(path, spec)
     cov = coverage(layout_of(spec), plan)
     r = check_plan(spec, plan, cluster, work)

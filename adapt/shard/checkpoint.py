@@ -16,7 +16,7 @@ from pathlib import Path
 from adapt.errors import CheckpointError
 from adapt.layout import WeightLayout
 from adapt.shard.header import DTYPES, TORCH_TO_ST, Header, read_header
-from adapt.shard.stream import ByteSlice, byte_slice, iter_slice, read_into
+from adapt.shard.stream import ByteSlice, byte_slice, read_into
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Non-weight buffers some checkpoints carry; never sharded, never an error.
@@ -81,10 +81,6 @@ class Checkpoint:
                         raise CheckpointError(f"{path} changed size since its header was validated")
                     self._fds[file] = fd
         return fd
-
-    def stream(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0):
-        """The raw bytes of the slice, in bounded chunks (views of a per-thread buffer)."""
-        return iter_slice(self.fd(self.tensors[name].file), self.byte_slice(name, dim, start, stop))
 
     def _read_safetensors(self, t: SourceTensor, dim: int | None, start: int, stop: int):
         """pread the slice straight into a fresh tensor (strided slices through a bounded gather buffer):

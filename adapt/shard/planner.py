@@ -56,22 +56,22 @@ def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, ran
 
 
 def pack_files(rank: int, tensors: list[OutputTensor], max_file_size: int,
-               order: Callable[[OutputTensor], Any] | None = None) -> list[OutputFile]:
-    """Split a rank's tensors (in layout order) into files of at most max_file_size bytes (a larger tensor gets
-    its own); within a file, tensors are then sorted by ``order`` (the source file offset, so reads run
-    forward through each source file)."""
+               order: Callable[[OutputTensor], Any]) -> list[OutputFile]:
+    """Split a rank's tensors into files of at most max_file_size bytes (a larger tensor gets its own). A file
+    draws on one source file only, and holds its tensors in source-offset order (``order``): one forward
+    pass over a source file then feeds every rank's files from it (:mod:`adapt.shard.fanout`)."""
     groups: list[list[OutputTensor]] = []
     size = 0
-    for t in tensors:
+    for t in sorted(tensors, key=order):
         n = OutputFile("", rank, (t,)).nbytes
-        if not groups or (size + n > max_file_size and groups[-1]):
+        if not groups or groups[-1][-1].source_file != t.source_file or (size + n > max_file_size and groups[-1]):
             groups.append([])
             size = 0
         groups[-1].append(t)
         size += n
     total = len(groups)
-    return [OutputFile(f"{rank_dir(rank)}/model-{i + 1:05d}-of-{total:05d}.safetensors", rank,
-                       tuple(sorted(g, key=order) if order else g)) for i, g in enumerate(groups)]
+    return [OutputFile(f"{rank_dir(rank)}/model-{i + 1:05d}-of-{total:05d}.safetensors", rank, tuple(g))
+            for i, g in enumerate(groups)]
 
 
 def plan_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, names: list[str], dtype_choice: str,
@@ -82,7 +82,7 @@ def plan_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, nam
     pos = {f: i for i, f in enumerate(ckpt.files)}
 
     def order(t: OutputTensor):
-        return pos[t.source_file], ckpt.tensors[t.source].offset, t.name
+        return pos[t.source_file], ckpt.tensors[t.source].offset, t.source, t.name
 
     for rank in range(plan.world_size):
         files += pack_files(rank, rank_outputs(ckpt, layout, plan, rank, present, dtype_choice), max_file_size,

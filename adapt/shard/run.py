@@ -3,8 +3,9 @@
 Order of a run: read the config, the plan and every source header; check the checkpoint against the
 layout (nothing is written if it does not match); plan all output files; mark OUT as ours and remove
 an old manifest (un-commit); keep files a journal or old manifest vouches for and that still hash the
-same; write the rest (atomically, ``--workers`` at once within a memory budget); copy config and
-tokenizer files; write ``manifest.json`` last.
+same; write the rest (atomically, ``--workers`` units at once within a memory budget: a unit is one source
+file and the files it feeds, see :mod:`adapt.shard.fanout`); copy config and tokenizer files; write
+``manifest.json`` last.
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ from adapt.layout import WeightLayout
 from adapt.plan import ParallelPlan
 from adapt.shard.checkpoint import Checkpoint, check_against_layout, open_checkpoint
 from adapt.shard.manifest import MANIFEST, Manifest, OutputFile, load_manifest
-from adapt.shard.planner import DEFAULT_MAX_FILE_SIZE, plan_outputs, scale_blocks
-from adapt.shard.transform import DTYPE_CHOICES, cast, dequant_slice, target_dtype
-from adapt.shard.source_hash import source_digest
-from adapt.shard.stream import CHUNK
-from adapt.shard.writer import (AtomicFile, RangeCopy, remove_stale_tmp, sha256_file, tensor_bytes, write_bytes,
-                                 write_safetensors)
+from adapt.shard.fanout import Unit, run_unit
+from adapt.shard.planner import DEFAULT_MAX_FILE_SIZE, plan_outputs
+from adapt.shard.transform import DTYPE_CHOICES, target_dtype
+from adapt.shard.source_hash import hashed_digest, recorded_digest
+from adapt.shard.writer import AtomicFile, remove_stale_tmp, sha256_file, write_bytes
 from adapt.spec import ModelSpec
 from adapt.source import read_config
 
@@ -120,11 +120,44 @@ def _check_out_dir(out: Path, force: bool) -> None:
         raise ShardError(f"--out {out} exists and is not an adapt shard output; pass --force to write into it")
 
 
-def auto_workers(n_files: int) -> int:
-    """``--workers 0``: one writer per usable core (each both hashes and copies), never more than there are
-    files nor more than 8 (a bound on threads and their chunk buffers; more needs an explicit --workers)."""
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                      n_files, 8))
+MAX_FANOUT = 16  # output ranks one unit writes at once (open files); a larger world splits into rank groups
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def auto_workers(n_units: int) -> int:
+    """``--workers 0``: one unit at a time per usable core (each both hashes and copies), never more than there
+    are units nor more than 8 (a bound on threads and their chunk buffers; more needs an explicit --workers)."""
+    return max(1, min(usable_cores(), n_units, 8))
+
+
+def plan_units(ckpt: Checkpoint, files: list[OutputFile], world: int, workers: int, rehash: set[str]) -> list[Unit]:
+    """Units of work, largest first: each source file with the output files of a group of ranks that draw
+    from it; the first group's unit also hashes the source when ``rehash`` names it.
+
+    A source file is one unit (read once for all its ranks) unless: there are fewer files than workers (its
+    ranks split so every worker has a unit); it is among the ``workers`` smallest files, which run last (split
+    in two or more, so the workers finish together: a 2.1 GB tp=2 run of 5 files left one core idle for 15%
+    of the run unsplit); or it feeds more than MAX_FANOUT ranks (open files). A split costs re-reading the
+    ranks' part of the file, and whole rows for a row-parallel slice."""
+    by_src: dict[str, list[OutputFile]] = {src: [] for src in ckpt.files}
+    for f in files:
+        by_src[f.tensors[0].source_file].append(f)
+    size = {src: ckpt.sizes.get(src) or sum(f.nbytes for f in by_src[src]) for src in ckpt.files}
+    base = max(-(-world // MAX_FANOUT), min(world, -(-workers // max(1, len(ckpt.files)))))
+    tail = set(sorted(ckpt.files, key=lambda src: (-size[src], src))[-workers:]) if workers > 1 else set()
+    units = []
+    for src in ckpt.files:
+        groups = min(world, max(base, 2)) if src in tail else base
+        hashing = src in rehash
+        for g in range(groups):
+            part = [f for f in by_src[src] if f.rank * groups // world == g]
+            if part or hashing:
+                units.append(Unit(src, part, hashing, sum(f.nbytes for f in part) + (size[src] if hashing else 0)))
+                hashing = False
+    return sorted(units, key=lambda u: -u.cost)
 
 
 def _fingerprint(files: list[OutputFile], sources: list[dict]) -> str:
@@ -183,7 +216,6 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     ckpt, _ = open_checkpoint(src_dir, allow_pickle)
     names = check_against_layout(ckpt, layout)
     files = plan_outputs(ckpt, layout, plan, names, dtype, max_file_size)
-    workers = workers or auto_workers(len(files))
     block = spec.quant.block_size if spec.quant else None
     src_stat = {f: (src_dir / f).stat() for f in ckpt.files}
     sources = [dict(name=f, size=s.st_size) for f, s in src_stat.items()]
@@ -229,50 +261,46 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     written = [0, 0]  # files, bytes
     lock = threading.Lock()
 
-    def hash_source(name: str) -> dict:
-        entry = dict(name=name, **source_digest(src_dir / name, src_stat[name], known_src.get(name), trust_hub_cache))
-        if entry["sha256_from"] == "hashed":
-            journal.add(dict(entry, source=name))
-        return entry
-
-    def write_file(f: OutputFile) -> None:
-        k = known.get(f.path)
-        path = out / f.path
+    src_entries = {}
+    for name in ckpt.files:
+        d = recorded_digest(src_dir / name, src_stat[name], known_src.get(name), trust_hub_cache)
+        if d is not None:
+            src_entries[name] = dict(name=name, **d)
+    for f in files:  # outputs a journal or old manifest vouches for, if they still hash the same
+        k, path = known.get(f.path), out / f.path
         if k and path.is_file() and path.stat().st_size == k["size"] and sha256_file(path) == k["sha256"]:
-            with lock:
-                done[f.path] = replace(f, size=k["size"], sha256=k["sha256"])
+            done[f.path] = replace(f, size=k["size"], sha256=k["sha256"])
             tick(f.nbytes, total)
-            return
-        held = []
-        specs = [(t.name, t.dtype, t.shape) for t in f.tensors]
+    units = plan_units(ckpt, files, plan.world_size, workers or auto_workers(1 << 30),
+                       set(ckpt.files) - set(src_entries))
+    for u in units:
+        u.kept = {f.path for f in u.files if f.path in done}
+    workers = min(workers, len(units)) if workers else auto_workers(len(units))
 
-        def produce(i: int):
-            held.append(budget.acquire(_slice_cost(f.tensors[i], ckpt)))
-            return _produce(ckpt, f.tensors[i], block)
-
-        def after() -> None:
-            budget.release(held.pop())
-            if sleep:
-                time.sleep(sleep)
-
-        size, sha = write_safetensors(path, specs, produce, lambda n: tick(n, total), after)
+    def on_file(f: OutputFile, size: int, sha: str) -> None:
         journal.add(dict(path=f.path, size=size, sha256=sha))
         with lock:
             done[f.path] = replace(f, size=size, sha256=sha)
             written[0] += 1
             written[1] += f.nbytes
 
+    def work(u: Unit) -> None:
+        digest = run_unit(ckpt, u, out, block=block, overlap=workers < usable_cores(), acquire=budget.acquire,
+                          release=budget.release, on_bytes=lambda n: tick(n, total), on_file=on_file, sleep=sleep)
+        if digest is not None:
+            entry = dict(name=u.source_file, **hashed_digest(src_stat[u.source_file], digest))
+            journal.add(dict(entry, source=u.source_file))
+            with lock:
+                src_entries[u.source_file] = entry
+
     try:
-        # source checksums on their own thread, overlapping the writers
-        with ThreadPoolExecutor(max_workers=1) as hasher, ThreadPoolExecutor(max_workers=workers) as pool:
-            src_futs = [hasher.submit(hash_source, f) for f in ckpt.files]
-            futs = [pool.submit(write_file, f) for f in sorted(files, key=lambda f: -f.nbytes)]
-            for fut in futs + src_futs:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for fut in [pool.submit(work, u) for u in units]:
                 fut.result()
-        src_entries = [fut.result() for fut in src_futs]
     finally:
         journal.f.close()
         ckpt.close()
+    src_entries = [src_entries[name] for name in ckpt.files]
     extra = _copy_side_files(src_dir, out, cfg, dtype)
     manifest = Manifest(spec.name, spec.model_type, plan.to_dict(), dtype, max_file_size, str(src_dir.resolve()),
                         cfg, tuple(src_entries), tuple(done[f.path] for f in files), tuple(extra), block)
@@ -281,55 +309,6 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     (out / JOURNAL).unlink(missing_ok=True)
     return ShardResult(out, manifest, written[0], len(files) - written[0], written[1], total,
                        time.perf_counter() - t0, workers)
-
-
-def _slice_cost(t, ckpt: Checkpoint) -> int:
-    """Bytes a tensor holds while it is produced: a streamed slice holds its thread's two chunk buffers (plus
-    a cast chunk); a materialised one the output slice, plus the FP8 input when dequantizing."""
-    if _streams(t, ckpt):
-        return 2 * CHUNK + (0 if t.transform == "none" else 3 * CHUNK)
-    out = OutputFile("", 0, (t,)).nbytes
-    if t.transform == "none":
-        return out
-    n = out // max(1, {"float32": 4}.get(t.dtype, 2))
-    return out + n * (1 if t.transform == "fp8_block_dequant" else {"float32": 4}.get(t.source_dtype, 2))
-
-
-def _streams(t, ckpt: Checkpoint) -> bool:
-    """Whether the tensor moves as raw bytes (or cast chunk by chunk) without materialising the slice."""
-    return not ckpt.pickle and t.transform in ("none", "cast")
-
-
-def _produce(ckpt: Checkpoint, t, block):
-    s = t.slice
-    if _streams(t, ckpt):
-        bs = ckpt.byte_slice(t.source, s.dim, s.start, s.stop)
-        if t.transform == "none" and bs.contiguous:
-            return RangeCopy(ckpt.fd(t.source_file), bs.offset, bs.nbytes,
-                             lambda: ckpt.stream(t.source, s.dim, s.start, s.stop))
-        pieces = ckpt.stream(t.source, s.dim, s.start, s.stop)
-        return pieces if t.transform == "none" else _cast_pieces(pieces, t.source_dtype, t.dtype)
-    w = ckpt.read(t.source, s.dim, s.start, s.stop)
-    if t.transform == "none":
-        return w
-    if t.transform == "cast":
-        return cast(w, t.dtype)
-    if t.transform == "fp8_block_dequant":
-        if block is None or t.scale is None:
-            raise ShardError(f"{t.source}: FP8 weight without block scales")
-        sc = scale_blocks(s, block, ckpt.tensors[t.scale].shape)
-        scale = ckpt.read(t.scale, sc.dim, sc.start, sc.stop)
-        return dequant_slice(w, scale, block, s.dim, s.start, t.dtype)
-    raise ShardError(f"unknown transform {t.transform!r}")
-
-
-def _cast_pieces(pieces, src_dtype: str, dtype: str):
-    """Cast raw byte chunks (whole elements each) with torch, chunk by chunk."""
-    import torch
-
-    src, dst = getattr(torch, src_dtype), getattr(torch, dtype)
-    for piece in pieces:
-        yield tensor_bytes(torch.frombuffer(piece, dtype=src).to(dst))
 
 
 def _copy_side_files(src: Path, out: Path, cfg: dict, dtype: str) -> list[dict]:

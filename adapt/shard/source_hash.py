@@ -15,7 +15,8 @@ Three ways, in this order (the manifest records which, as ``sha256_from``):
   file's etag (the LFS oid, i.e. the sha256, for LFS files) and the time it was written. The etag is used
   when it is 64 hex digits and the file was not modified after that time (the hub client's own rule for
   reusing a local file, with its one-second allowance). Same trust assumption and opt-out as ``hub-blob``.
-- ``hashed``: read and hashed (hashlib releases the GIL, so this overlaps the writers).
+- ``hashed``: hashed by ``adapt shard`` while it reads the file for the outputs (:mod:`adapt.shard.fanout`),
+  so each source byte is read once; ``source_digest`` hashes a file on its own.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def hub_local_dir_sha256(path: Path, st: os.stat_result) -> str | None:
     return etag
 
 
-def source_digest(path: Path, st: os.stat_result, known: dict | None, trust_hub_cache: bool = True
-                  ) -> dict:
-    """{size, mtime_ns, ino, sha256, sha256_from} for a source file whose (followed) stat is ``st``."""
+def recorded_digest(path: Path, st: os.stat_result, known: dict | None, trust_hub_cache: bool = True
+                    ) -> dict | None:
+    """{size, mtime_ns, ino, sha256, sha256_from} for a source file whose (followed) stat is ``st``, when its
+    sha256 is on record (cached, hub-blob, hub-local-dir); None when it has to be hashed."""
     base = dict(size=st.st_size, mtime_ns=st.st_mtime_ns, ino=st.st_ino)
     if known and all(known.get(k) == v for k, v in base.items()) and _SHA256.match(str(known.get("sha256", ""))):
         return dict(base, sha256=known["sha256"], sha256_from="cached")
@@ -72,4 +74,13 @@ def source_digest(path: Path, st: os.stat_result, known: dict | None, trust_hub_
     local = hub_local_dir_sha256(path, st) if trust_hub_cache else None
     if local is not None:
         return dict(base, sha256=local, sha256_from="hub-local-dir")
-    return dict(base, sha256=sha256_file(path), sha256_from="hashed")
+    return None
+
+
+def hashed_digest(st: os.stat_result, sha256: str) -> dict:
+    return dict(size=st.st_size, mtime_ns=st.st_mtime_ns, ino=st.st_ino, sha256=sha256, sha256_from="hashed")
+
+
+def source_digest(path: Path, st: os.stat_result, known: dict | None, trust_hub_cache: bool = True) -> dict:
+    """As ``recorded_digest``, hashing the file when nothing is on record."""
+    return recorded_digest(path, st, known, trust_hub_cache) or hashed_digest(st, sha256_file(path))

@@ -1,4 +1,5 @@
-"""The fast I/O paths: copy_file_range and pread+write give the same bytes, strided gathers equal torch,
+"""The fast I/O paths: one pass per source file gives the same bytes for any read chunking and with hashing on
+lanes, strided gathers equal torch,
 source digests are cached by (name, size, mtime_ns, inode) and hub-cache blob names are trusted only when
 they look like LFS sha256 blobs."""
 
@@ -12,10 +13,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import adapt.shard.run as run_mod
+import adapt.shard.stream as stream
 import adapt.shard.writer as writer
 from adapt.shard import load_manifest, shard, verify
 from adapt.shard.checkpoint import open_checkpoint
 from adapt.shard.source_hash import hub_blob_sha256, source_digest
+from adapt.shard.fanout import chunk_pieces
 from adapt.shard.stream import byte_slice, iter_slice
 
 
@@ -23,28 +27,60 @@ def _hashes(out):
     return {f.path: f.sha256 for f in load_manifest(out).files}
 
 
-def test_copy_range_path_bitwise_identical_to_read_write_path(tiny_ckpts, tmp_path, monkeypatch):
-    ckpt = tiny_ckpts["qwen2"]
-    monkeypatch.setattr(writer, "COPY_RANGE", True)
-    shard(ckpt, tmp_path / "cfr", tp=2, max_file_size=20_000)
-    monkeypatch.setattr(writer, "COPY_RANGE", False)
-    shard(ckpt, tmp_path / "rw", tp=2, max_file_size=20_000)
-    a, b = _hashes(tmp_path / "cfr"), _hashes(tmp_path / "rw")
-    assert a == b
-    for p in a:
-        assert (tmp_path / "cfr" / p).read_bytes() == (tmp_path / "rw" / p).read_bytes()
-        assert hashlib.sha256((tmp_path / "cfr" / p).read_bytes()).hexdigest() == a[p]
-    assert verify(tmp_path / "cfr", source=ckpt).ok
+def _raw(t):
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def test_copy_range_unsupported_falls_back(tiny_ckpts, tmp_path, monkeypatch):
-    def refuse(*a, **k):
-        raise OSError(18, "Invalid cross-device link")
-    monkeypatch.setattr(writer, "COPY_RANGE", True)
-    monkeypatch.setattr(writer.os, "copy_file_range", refuse, raising=False)
-    shard(tiny_ckpts["llama"], tmp_path / "o", tp=2)
-    assert writer.COPY_RANGE is False
-    assert verify(tmp_path / "o", source=tiny_ckpts["llama"]).ok
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("loop,direct", [(2048, 65536), (0, 65536), (0, 4)])  # numpy gather, row loop, no gather
+def test_chunk_pieces_equal_narrow_for_any_chunking(seed, loop, direct, monkeypatch):
+    """A slice's share of arbitrary (unaligned, tiny, huge) chunks, joined, is the slice's bytes in order."""
+    import adapt.shard.fanout as fanout
+
+    monkeypatch.setattr(fanout, "GATHER_LOOP", loop)
+    monkeypatch.setattr(fanout, "GATHER_BELOW", direct)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        nd = int(torch.randint(1, 4, (1,), generator=g))
+        shape = tuple(int(x) for x in torch.randint(1, 7, (nd,), generator=g))
+        x = torch.arange(torch.Size(shape).numel(), dtype=torch.int16).view(shape)
+        raw = _raw(x)
+        dim = int(torch.randint(0, nd, (1,), generator=g))
+        start = int(torch.randint(0, shape[dim], (1,), generator=g))
+        stop = int(torch.randint(start, shape[dim] + 1, (1,), generator=g))
+        bs = byte_slice(0, shape, 2, dim, start, stop)
+        cuts = sorted({0, len(raw), *(int(c) for c in torch.randint(0, len(raw) + 1, (3,), generator=g))})
+        got, gather = b"", memoryview(bytearray(len(raw) + 8))
+        for a, b in zip(cuts, cuts[1:]):
+            got += b"".join(bytes(p) for p in chunk_pieces(bs, a, b, memoryview(raw)[a:b], gather))
+        assert got == _raw(x.narrow(dim, start, stop - start).contiguous()), (shape, dim, start, stop, cuts)
+
+
+@pytest.mark.parametrize("chunk", [24, 1000])
+def test_tiny_read_chunks_give_the_same_files(tiny_ckpts, tmp_path, monkeypatch, chunk):
+    """Chunks smaller than a row (partial runs at both ends) or not a multiple of it give the same bytes."""
+    ckpt = tiny_ckpts["qwen2_moe"]
+    shard(ckpt, tmp_path / "ref", tp=2, ep=2, max_file_size=20_000)
+    monkeypatch.setattr(stream, "CHUNK", chunk)  # the worker threads are new: their buffers take this size
+    shard(ckpt, tmp_path / "small", tp=2, ep=2, max_file_size=20_000, workers=1)
+    assert _hashes(tmp_path / "small") == _hashes(tmp_path / "ref")
+    assert verify(tmp_path / "small", source=ckpt).ok
+
+
+def test_hash_lanes_give_the_same_files(tiny_ckpts, tmp_path, monkeypatch):
+    ckpt = tiny_ckpts["llama"]
+    shard(ckpt, tmp_path / "inline", tp=2, workers=2)
+    monkeypatch.setattr(run_mod, "usable_cores", lambda: 8)  # fewer workers than cores: hash on lanes
+    monkeypatch.setattr(writer, "OVERLAP_MIN", 1)
+    shard(ckpt, tmp_path / "lanes", tp=2, workers=1)
+    assert _hashes(tmp_path / "lanes") == _hashes(tmp_path / "inline")
+    assert load_manifest(tmp_path / "lanes").source_files == load_manifest(tmp_path / "inline").source_files
+
+
+def test_every_output_file_draws_on_one_source_file(tiny_ckpts, tmp_path):
+    m = shard(tiny_ckpts["qwen2_moe"], tmp_path / "o", tp=2, ep=2, max_file_size=20_000).manifest
+    for f in m.files:
+        assert len({t.source_file for t in f.tensors}) == 1, f.path
 
 
 @pytest.mark.parametrize("shape,dim", [((7, 10), 0), ((7, 10), 1), ((3, 5, 6), 1), ((3, 5, 6), 2), ((1, 8, 4), 1),
@@ -191,3 +227,77 @@ def test_early_writeback_keeps_bytes_and_hash(tmp_path, monkeypatch, writeback):
             f.write(data[i:i + 100_003])
     assert (tmp_path / "f.bin").read_bytes() == data
     assert f.sha256 == hashlib.sha256(data).hexdigest() and f.size == len(data)
+
+
+def _direct_supported(d) -> bool:
+    try:
+        os.close(os.open(d / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+        return True
+    except OSError:
+        return False
+
+
+def _odd_pieces(data, step=100_003):
+    return [data[i:i + step] for i in range(0, len(data), step)]
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 8192, 3 * 8192 + 17, (1 << 20) + 5])
+def test_direct_io_file_is_exact(tmp_path, n):
+    """O_DIRECT through 8 KiB staging buffers: odd piece sizes, a padded last block cut back to the size."""
+    data = os.urandom(n)
+    with writer.AtomicFile(tmp_path / "f.bin", direct_stage=8192) as f:
+        for piece in _odd_pieces(data, 3001):
+            f.write(piece)
+    assert (tmp_path / "f.bin").read_bytes() == data
+    assert f.sha256 == hashlib.sha256(data).hexdigest() and f.size == n
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_direct_io_refused_by_the_filesystem_falls_back(tmp_path, monkeypatch):
+    real_open, real_pwrite = os.open, writer._pwrite_all
+    monkeypatch.setattr(writer, "DIRECT", True)
+
+    def no_direct_open(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a)
+    monkeypatch.setattr(writer.os, "open", no_direct_open)
+    data = os.urandom(50_000)
+    with writer.AtomicFile(tmp_path / "a.bin", direct_stage=8192) as f:
+        f.write(data)
+    assert f.direct is None and (tmp_path / "a.bin").read_bytes() == data
+    monkeypatch.setattr(writer.os, "open", real_open)
+
+    calls = []
+
+    def einval_once(fd, view, offset):  # the flag is taken but the I/O is not (some FUSE filesystems)
+        calls.append(offset)
+        if len(calls) == 1:
+            raise OSError(22, "Invalid argument")
+        return real_pwrite(fd, view, offset)
+    monkeypatch.setattr(writer, "_pwrite_all", einval_once)
+    with writer.AtomicFile(tmp_path / "b.bin", direct_stage=8192) as f:
+        for piece in _odd_pieces(data, 777):
+            f.write(piece)
+    assert (tmp_path / "b.bin").read_bytes() == data and f.sha256 == hashlib.sha256(data).hexdigest()
+    assert writer.DIRECT is False  # later files go straight to the page cache
+
+
+def test_shard_through_direct_io_equals_page_cache(tiny_ckpts, tmp_path, monkeypatch):
+    ckpt = tiny_ckpts["deepseek_v3"]
+    monkeypatch.setattr(writer, "DIRECT", False)
+    shard(ckpt, tmp_path / "cached", tp=2, ep=2, max_file_size=20_000)
+    monkeypatch.setattr(writer, "DIRECT", True)
+    monkeypatch.setattr(writer, "DIRECT_MIN", 0)
+    monkeypatch.setattr(writer, "STAGE", 8192)
+    import adapt.shard.fanout as fanout
+    monkeypatch.setattr(fanout, "STAGE", 8192)
+    monkeypatch.setattr(fanout, "STAGE_MIN", 4096)
+    made = []
+    real_init = writer._Direct.__init__
+    monkeypatch.setattr(writer._Direct, "__init__", lambda self, *a: made.append(1) or real_init(self, *a))
+    shard(ckpt, tmp_path / "direct", tp=2, ep=2, max_file_size=20_000)
+    if _direct_supported(tmp_path):
+        assert len(made) >= len(load_manifest(tmp_path / "direct").files)
+    assert _hashes(tmp_path / "direct") == _hashes(tmp_path / "cached")
+    assert verify(tmp_path / "direct", source=ckpt).ok

@@ -14,7 +14,7 @@ from adapt.shard import load_manifest, open_rank, shard, verify
 from adapt.shard.checkpoint import open_checkpoint
 from adapt.source import read_config
 from adapt.spec import ModelSpec
-from tests.fixtures.tiny import TINY
+from tests.fixtures.tiny import TINY, save_tiny
 
 
 @pytest.mark.parametrize("family", list(TINY))
@@ -64,7 +64,7 @@ def test_workers_write_the_same_bytes(tiny_ckpts, tmp_path):
     assert [(f.path, f.sha256) for f in a.files] == [(f.path, f.sha256) for f in b.files]
 
 
-def test_auto_workers_one_per_core_and_at_most_one_per_file(tiny_ckpts, tmp_path, monkeypatch):
+def test_auto_workers_one_per_core_and_at_most_one_per_unit(tiny_ckpts, tmp_path, monkeypatch):
     import os
 
     from adapt.shard import run as run_mod
@@ -73,10 +73,15 @@ def test_auto_workers_one_per_core_and_at_most_one_per_file(tiny_ckpts, tmp_path
     assert run_mod.auto_workers(1) == 1
     assert run_mod.auto_workers(3) == 3
     assert run_mod.auto_workers(100) == 4
+    _, single = save_tiny("llama", tmp_path / "single")  # one model.safetensors
+    assert len(list(single.glob("*.safetensors"))) == 1
+    solo = shard(single, tmp_path / "solo", tp=1)  # one source file, one rank: one unit
+    assert solo.workers == 1 and solo.to_dict()["workers"] == 1
+    two = shard(single, tmp_path / "two", tp=2)  # one source file, two ranks: a unit per rank
+    assert two.workers == 2 and verify(tmp_path / "two", source=single).ok
+    assert {s["sha256_from"] for s in two.manifest.source_files} == {"hashed"}
     ckpt = tiny_ckpts["llama"]
-    one = shard(ckpt, tmp_path / "one", tp=2)  # a file per rank: two writers
-    assert one.workers == 2 and one.to_dict()["workers"] == 2
-    many = shard(ckpt, tmp_path / "many", tp=2, max_file_size=20_000)
+    many = shard(ckpt, tmp_path / "many", tp=2, max_file_size=20_000)  # many source files
     assert many.workers == 4 and len(many.manifest.files) >= 4
     with pytest.raises(ShardError, match="--workers"):
         shard(ckpt, tmp_path / "bad", tp=2, workers=-1)

@@ -1,0 +1,338 @@
+"""One pass over a source file feeds every output file that draws from it, and hashes the source on the way.
+
+The planner gives every output file tensors of one source file only, in source-offset order, so a unit of
+work is (source file, a group of ranks): its tensors are read front to back in bounded chunks (1 MiB, a
+multiple of a strided slice's row stride), each chunk is hashed for the source's sha256 while it is in this
+core's cache (when the source's sha256 is not on record), and every rank's slice of that chunk is appended to
+that rank's output file, hashed from the same buffer it is written from. Each source byte is read once for all
+ranks: a row-parallel (dim >= 1) slice does not make every rank read whole rows of its own.
+
+Slices are the plan's (``OutputTensor.slice``) turned into byte ranges by :func:`adapt.shard.stream.byte_slice`;
+a chunk's share of a slice is the part of its runs that falls inside the chunk (:func:`chunk_pieces`). Tensors
+that cannot stream as raw bytes (FP8 block dequantization, pickle checkpoints) are produced whole, within the
+memory budget, when the scan reaches them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from adapt.errors import ShardError
+from adapt.shard.checkpoint import Checkpoint, SourceTensor
+from adapt.shard.manifest import OutputFile, OutputTensor
+from adapt.shard.planner import scale_blocks
+from adapt.shard.stream import ByteSlice, buffers, pread_into
+from adapt.shard.transform import cast, dequant_slice
+from adapt.shard.writer import ALIGN, STAGE, StreamedFile, sha256_file, tensor_bytes
+
+# Runs at least this long are written straight from the read buffer; shorter ones are gathered first, by a
+# slice copy per run down to GATHER_LOOP bytes, below that with one numpy strided copy.
+GATHER_BELOW = 64 << 10
+GATHER_LOOP = 2048
+# O_DIRECT staging per unit: its ranks' files are open at once, each with two buffers of STAGING / ranks.
+STAGING, STAGE_MIN = 8 << 20, 256 << 10
+
+
+def chunk_pieces(bs: ByteSlice, a: int, b: int, buf: memoryview, gather: memoryview) -> Iterator[memoryview]:
+    """The bytes of slice ``bs`` that lie in [a, b) of the same byte space, in order, taken from ``buf`` (which
+    holds bytes a..b). Whole runs shorter than GATHER_BELOW are gathered into ``gather`` (at least b - a bytes),
+    valid until the next item."""
+    if bs.nbytes == 0 or b <= a:
+        return
+    if bs.contiguous:
+        s, e = max(a, bs.offset), min(b, bs.offset + bs.nbytes)
+        if s < e:
+            yield buf[s - a:e - a]
+        return
+    off, run, stride = bs.offset, bs.run, bs.stride
+    k0 = max(0, (a - off - run) // stride + 1)  # the first run ending after a
+    k1 = min(bs.outer, max(0, -(-(b - off) // stride)))  # one past the last run starting before b
+    if k0 >= k1:
+        return
+    full0, full1 = k0, k1  # the runs wholly inside [a, b)
+    head = off + k0 * stride < a
+    if head:  # the end of a run that began before a (all of the overlap when it also ends after b)
+        r = off + k0 * stride
+        yield buf[:min(b, r + run) - a]
+        full0 = k0 + 1
+    tail = k1 - 1 >= full0 and off + (k1 - 1) * stride + run > b  # the start of a run ending after b
+    if tail:
+        full1 = k1 - 1
+    if full1 > full0:
+        if run >= GATHER_BELOW:
+            for k in range(full0, full1):
+                r = off + k * stride - a
+                yield buf[r:r + run]
+        elif run >= GATHER_LOOP:
+            pos = 0
+            for k in range(full0, full1):
+                r = off + k * stride - a
+                gather[pos:pos + run] = buf[r:r + run]
+                pos += run
+            yield gather[:pos]
+        else:
+            import numpy as np
+
+            rows = full1 - full0
+            src = np.frombuffer(buf, dtype=np.uint8)[off + full0 * stride - a:]
+            runs = np.lib.stride_tricks.as_strided(src, shape=(rows, run), strides=(stride, 1))
+            out = np.frombuffer(gather, dtype=np.uint8)[:rows * run].reshape(rows, run)
+            np.copyto(out, runs)
+            yield gather[:rows * run]
+    if tail:
+        yield buf[off + (k1 - 1) * stride - a:b - a]
+
+
+@dataclass
+class _Out:
+    """An output file being written by a unit."""
+
+    file: OutputFile
+    writer: StreamedFile
+    kept: bool = False
+    committed: bool = False
+
+
+@dataclass
+class _Use:
+    """Output tensor ``t`` of ``out`` takes a slice of one source tensor."""
+
+    out: _Out
+    t: OutputTensor
+    bs: ByteSlice | None = None  # relative to the source tensor's first byte; None: produced whole
+
+
+@dataclass
+class Unit:
+    """A source file, the output files of some ranks that draw from it, and whether to hash it."""
+
+    source_file: str
+    files: list[OutputFile]
+    hash_source: bool
+    cost: int = 0
+    kept: set[str] = field(default_factory=set)  # output paths already valid on disk (resume)
+
+
+def streams(t: OutputTensor, ckpt: Checkpoint) -> bool:
+    """Whether the tensor moves as raw bytes (or cast chunk by chunk) without materialising the slice."""
+    return not ckpt.pickle and t.transform in ("none", "cast")
+
+
+def slice_cost(t: OutputTensor, ckpt: Checkpoint) -> int:
+    """Bytes a materialised tensor holds while it is produced: the output slice, plus the FP8 or cast input."""
+    out = OutputFile("", 0, (t,)).nbytes
+    if t.transform == "none":
+        return out
+    n = out // max(1, {"float32": 4}.get(t.dtype, 2))
+    return out + n * (1 if t.transform == "fp8_block_dequant" else {"float32": 4}.get(t.source_dtype, 2))
+
+
+def produce(ckpt: Checkpoint, t: OutputTensor, block):
+    """A materialised output tensor: read its slice (only that part), then transform it."""
+    s = t.slice
+    w = ckpt.read(t.source, s.dim, s.start, s.stop)
+    if t.transform == "none":
+        return w
+    if t.transform == "cast":
+        return cast(w, t.dtype)
+    if t.transform == "fp8_block_dequant":
+        if block is None or t.scale is None:
+            raise ShardError(f"{t.source}: FP8 weight without block scales")
+        sc = scale_blocks(s, block, ckpt.tensors[t.scale].shape)
+        scale = ckpt.read(t.scale, sc.dim, sc.start, sc.stop)
+        return dequant_slice(w, scale, block, s.dim, s.start, t.dtype)
+    raise ShardError(f"unknown transform {t.transform!r}")
+
+
+class _Caster:
+    """Casts raw chunks (whole elements) from one dtype to another with torch."""
+
+    def __init__(self, src: str, dst: str):
+        import torch
+
+        self.torch, self.src, self.dst = torch, getattr(torch, src), getattr(torch, dst)
+
+    def __call__(self, piece: memoryview) -> memoryview:
+        return tensor_bytes(self.torch.frombuffer(piece, dtype=self.src).to(self.dst))
+
+
+def run_unit(ckpt: Checkpoint, unit: Unit, out_dir, *, block, overlap: bool, acquire: Callable[[int], int],
+             release: Callable[[int], None], on_bytes: Callable[[int], None],
+             on_file: Callable[[OutputFile, int, str], None], sleep: float = 0.0) -> str | None:
+    """Write the unit's output files (except the kept ones); returns the source's sha256 when asked to hash it.
+
+    ``on_file(file, size, sha256)`` is called as each file is committed (right after its last tensor);
+    ``acquire``/``release`` bound the bytes of materialised tensors; ``sleep`` (a test hook) pauses after every
+    source tensor."""
+    return _UnitRun(ckpt, unit, out_dir, block, overlap, acquire, release, on_bytes, on_file, sleep).run()
+
+
+class _UnitRun:
+    def __init__(self, ckpt, unit, out_dir, block, overlap, acquire, release, on_bytes, on_file, sleep):
+        self.ckpt, self.unit, self.block, self.sleep = ckpt, unit, block, sleep
+        self.acquire, self.release, self.on_file = acquire, release, on_file
+        ranks = len({f.rank for f in unit.files if f.path not in unit.kept})
+        stage = max(STAGE_MIN, min(STAGE, STAGING // max(1, ranks) // ALIGN * ALIGN))
+        self.outs = [_Out(f, StreamedFile(out_dir / f.path, [(t.name, t.dtype, t.shape) for t in f.tensors],
+                                          overlap, on_bytes, stage), f.path in unit.kept) for f in unit.files]
+        self.uses: dict[str, list[_Use]] = {}
+        for o in self.outs:
+            if o.kept:
+                continue
+            for t in o.file.tensors:
+                if t.source_file != unit.source_file:
+                    raise ShardError(f"internal: {o.file.path} mixes source files")
+                bs = None
+                if streams(t, ckpt):
+                    s = t.slice
+                    full = ckpt.byte_slice(t.source, s.dim, s.start, s.stop)
+                    bs = ByteSlice(full.offset - ckpt.tensors[t.source].offset, full.outer, full.run, full.stride)
+                self.uses.setdefault(t.source, []).append(_Use(o, t, bs))
+
+    def run(self) -> str | None:
+        if not self.uses and not self.unit.hash_source:
+            return None
+        try:
+            digest = self._scan()
+        except BaseException:
+            for o in self.outs:
+                o.writer.abort()
+            raise
+        for o in self.outs:
+            if not o.kept and not o.committed:
+                raise ShardError(f"internal: {o.file.path} was not completed")
+        return digest
+
+    def _ended(self, u: _Use) -> None:
+        """After one output tensor: commit its file when that was the file's last tensor."""
+        w = u.out.writer
+        if w.complete:
+            size, sha = w.close()
+            u.out.committed = True
+            self.on_file(u.out.file, size, sha)
+
+    def _whole(self, u: _Use) -> None:
+        held = self.acquire(slice_cost(u.t, self.ckpt))
+        try:
+            u.out.writer.tensor(produce(self.ckpt, u.t, self.block))
+        finally:
+            self.release(held)
+        self._ended(u)
+
+    def _scan(self) -> str | None:
+        ckpt, unit = self.ckpt, self.unit
+        if ckpt.pickle:
+            digest = sha256_file(ckpt.directory / unit.source_file) if unit.hash_source else None
+            for name in sorted(n for n, t in ckpt.tensors.items() if t.file == unit.source_file):
+                for u in self.uses.get(name, []):
+                    self._whole(u)
+            return digest
+        h = hashlib.sha256() if unit.hash_source else None
+        fd = ckpt.fd(unit.source_file)
+        rbuf, gbuf = buffers()
+        pos = 0
+        order = sorted((t for t in ckpt.tensors.values() if t.file == unit.source_file),
+                       key=lambda t: (t.offset, t.name))
+        for src in order:
+            if h is not None:
+                pos = _hash_gap(fd, h, pos, src.offset, rbuf)
+            todo = self.uses.get(src.name, [])
+            if not todo and h is None:
+                continue
+            stream, later, seen = [], [], set()
+            for u in todo:
+                if id(u.out) in seen:  # a second slice of this tensor for the same file: after the first one
+                    later.append(u)
+                elif u.bs is None:
+                    self._whole(u)
+                else:
+                    stream.append(u)
+                seen.add(id(u.out))
+            if stream or h is not None:
+                self._stream(fd, src, stream, h, rbuf, gbuf)
+            for u in later:
+                if u.bs is None:
+                    self._whole(u)
+                else:
+                    self._stream(fd, src, [u], None, rbuf, gbuf)
+            pos = max(pos, src.offset + src.nbytes)
+            if self.sleep:
+                time.sleep(self.sleep)
+        if h is None:
+            return None
+        _hash_gap(fd, h, pos, ckpt.sizes[unit.source_file], rbuf)
+        return h.hexdigest()
+
+    def _stream(self, fd: int, src: SourceTensor, stream: list[_Use], h, rbuf: memoryview, gbuf: memoryview
+                ) -> None:
+        """Read ``src`` in chunks (all of it when hashing, else the span its slices cover) and append each use's
+        share of every chunk to its file."""
+        casts = [_Caster(u.t.source_dtype, u.t.dtype) if u.t.transform == "cast" else None for u in stream]
+        live = [u.bs for u in stream if u.bs.nbytes]
+        if h is not None:
+            lo, hi = 0, src.nbytes
+        else:
+            lo = min((bs.offset for bs in live), default=0)
+            hi = max((bs.offset + (bs.outer - 1) * bs.stride + bs.run for bs in live), default=0)
+        size = rbuf.nbytes
+        strided = [bs.stride for bs in live if not bs.contiguous and bs.stride <= size]
+        if strided:  # chunks of whole rows: each holds whole runs of the slice, gathered in one copy
+            size = size // strided[0] * strided[0]
+            lo -= lo % strided[0]
+        for a in range(lo, hi, size):
+            b = min(a + size, hi)
+            sole = _sole_reader(stream, casts, a, b)
+            if sole is not None:  # read straight into that file's staging: no copy through rbuf
+                w, pos = sole.out.writer, a
+                while pos < b and (view := w.reserve(b - pos)) is not None:
+                    pread_into(fd, view, src.offset + pos)
+                    if h is not None:
+                        h.update(view)
+                    w.commit(view)
+                    pos += view.nbytes
+                view = None
+                if pos == b:
+                    continue
+                a = pos  # a page-cache file: the rest through rbuf
+            view = rbuf[:b - a]
+            pread_into(fd, view, src.offset + a)
+            if h is not None:
+                h.update(view)
+            for u, c in zip(stream, casts):
+                for piece in chunk_pieces(u.bs, a, b, view, gbuf):
+                    u.out.writer.append(c(piece) if c else piece)
+        for u in stream:
+            u.out.writer.end_tensor()
+            self._ended(u)
+
+
+def _sole_reader(stream: list[_Use], casts: list, a: int, b: int) -> _Use | None:
+    """The one use that takes all of [a, b) as raw bytes while no other use takes any of it, or None."""
+    sole = None
+    for u, c in zip(stream, casts):
+        bs = u.bs
+        if bs.nbytes == 0:
+            continue
+        if bs.contiguous:
+            if bs.offset >= b or bs.offset + bs.nbytes <= a:
+                continue  # none of it here
+            if c is not None or sole is not None or bs.offset > a or bs.offset + bs.nbytes < b:
+                return None
+            sole = u
+        elif a < bs.offset + (bs.outer - 1) * bs.stride + bs.run and bs.offset < b:
+            return None  # a strided slice with (possibly) bytes here: the gather path
+    return sole
+
+
+def _hash_gap(fd: int, h, pos: int, end: int, rbuf: memoryview) -> int:
+    """Hash the file's bytes [pos, end) (the header before the first tensor; nothing between tensors in a
+    validated file)."""
+    while pos < end:
+        n = min(rbuf.nbytes, end - pos)
+        pread_into(fd, rbuf[:n], pos)
+        h.update(rbuf[:n])
+        pos += n
+    return pos
