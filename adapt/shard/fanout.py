@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -84,6 +85,64 @@ def chunk_pieces(bs: ByteSlice, a: int, b: int, buf: memoryview, gather: memoryv
             yield gather[:rows * run]
     if tail:
         yield buf[off + (k1 - 1) * stride - a:b - a]
+
+
+class _SourceHash:
+    """A source file's sha256, fed in file order. With ``lane`` (a core to spare: fewer units running than
+    cores), every update runs on a helper thread while the unit goes on with the writes; the unit then reads
+    into a ring of buffers (``buffer``), each reused only once its update is done. One unit alone, tp=1, hashed
+    the source and its output one after the other on one core without it."""
+
+    RING = 4
+
+    def __init__(self, lane: bool):
+        self.h = hashlib.sha256()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapt-src-sha") if lane else None
+        self.ring: list[memoryview] = []  # allocated on first use, of the unit's read-buffer size
+        self.futs: list = [None] * self.RING
+        self.i = 0
+
+    @property
+    def lane(self) -> bool:
+        return self.pool is not None
+
+    def buffer(self, default: memoryview) -> memoryview:
+        """The buffer to read the next chunk into (at least as large as ``default``)."""
+        if self.pool is None:
+            return default
+        if not self.ring:
+            self.ring = [memoryview(bytearray(default.nbytes)) for _ in range(self.RING)]
+        j = self.i % self.RING
+        if self.futs[j] is not None:
+            self.futs[j].result()
+            self.futs[j] = None
+        return self.ring[j]
+
+    def update(self, view: memoryview) -> None:
+        if self.pool is None:
+            self.h.update(view)
+            return
+        j = self.i % self.RING
+        if not self.ring or view.obj is not self.ring[j].obj:  # not a ring buffer: hash it now
+            self._drain()
+            self.h.update(view)
+            return
+        self.futs[j] = self.pool.submit(self.h.update, view)
+        self.i += 1
+
+    def _drain(self) -> None:
+        for j, f in enumerate(self.futs):
+            if f is not None:
+                f.result()
+                self.futs[j] = None
+
+    def hexdigest(self) -> str:
+        self._drain()
+        return self.h.hexdigest()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 @dataclass
@@ -172,7 +231,7 @@ def run_unit(ckpt: Checkpoint, unit: Unit, out_dir, *, block, overlap: bool, acq
 
 class _UnitRun:
     def __init__(self, ckpt, unit, out_dir, block, overlap, acquire, release, on_bytes, on_file, sleep):
-        self.ckpt, self.unit, self.block, self.sleep = ckpt, unit, block, sleep
+        self.ckpt, self.unit, self.block, self.sleep, self.overlap = ckpt, unit, block, sleep, overlap
         self.acquire, self.release, self.on_file = acquire, release, on_file
         ranks = len({f.rank for f in unit.files if f.path not in unit.kept})
         stage = max(STAGE_MIN, min(STAGE, STAGING // max(1, ranks) // ALIGN * ALIGN))
@@ -230,7 +289,15 @@ class _UnitRun:
                 for u in self.uses.get(name, []):
                     self._whole(u)
             return digest
-        h = hashlib.sha256() if unit.hash_source else None
+        h = _SourceHash(self.overlap) if unit.hash_source else None
+        try:
+            return self._scan_file(h)
+        finally:
+            if h is not None:
+                h.close()
+
+    def _scan_file(self, h: _SourceHash | None) -> str | None:
+        ckpt, unit = self.ckpt, self.unit
         fd = ckpt.fd(unit.source_file)
         rbuf, gbuf = buffers()
         pos = 0
@@ -284,7 +351,7 @@ class _UnitRun:
             lo -= lo % strided[0]
         for a in range(lo, hi, size):
             b = min(a + size, hi)
-            sole = _sole_reader(stream, casts, a, b)
+            sole = None if h is not None and h.lane else _sole_reader(stream, casts, a, b)
             if sole is not None:  # read straight into that file's staging: no copy through rbuf
                 w, pos = sole.out.writer, a
                 while pos < b and (view := w.reserve(b - pos)) is not None:
@@ -297,7 +364,7 @@ class _UnitRun:
                 if pos == b:
                     continue
                 a = pos  # a page-cache file: the rest through rbuf
-            view = rbuf[:b - a]
+            view = (h.buffer(rbuf) if h is not None else rbuf)[:b - a]
             pread_into(fd, view, src.offset + a)
             if h is not None:
                 h.update(view)
@@ -327,12 +394,13 @@ def _sole_reader(stream: list[_Use], casts: list, a: int, b: int) -> _Use | None
     return sole
 
 
-def _hash_gap(fd: int, h, pos: int, end: int, rbuf: memoryview) -> int:
+def _hash_gap(fd: int, h: _SourceHash, pos: int, end: int, rbuf: memoryview) -> int:
     """Hash the file's bytes [pos, end) (the header before the first tensor; nothing between tensors in a
     validated file)."""
     while pos < end:
         n = min(rbuf.nbytes, end - pos)
-        pread_into(fd, rbuf[:n], pos)
-        h.update(rbuf[:n])
+        view = h.buffer(rbuf)[:n]
+        pread_into(fd, view, pos)
+        h.update(view)
         pos += n
     return pos
