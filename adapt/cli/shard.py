@@ -41,8 +41,8 @@ def run_cmd(
     dp: Annotated[_Deg, typer.Option("--dp", help="Data-parallel degree.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="keep | bf16 | fp16 | fp32 (FP8 is dequantized).")] = "keep",
     max_file_size: Annotated[str, typer.Option("--max-file-size", help="Split rank files at this size.")] = "5GB",
-    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Files written at once; 0 = one per "
-                                         "core, at most one per file and 8 in all.")] = 0,
+    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Source files (or rank groups of "
+                                         "one) processed at once; 0 = one per core, 8 at most.")] = 0,
     memory_budget: Annotated[str, typer.Option("--memory-budget", help="Bytes of slices in flight "
                                                "across workers.")] = "4GiB",
     force: Annotated[bool, typer.Option("--force", help="Write into an existing non-adapt directory.")] = False,

@@ -389,15 +389,19 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
               o[i] = from_f32<X>(rnd<X>(gv / (1.f + exp_f32(-gv))) * rnd<X>(u[i]));
             }
           }
-          gemm(act, m, I, w2, H, c2);
-          for (int64_t r = 0; r < n; ++r) {
-            const float* c = c2 + r * H;
-            X* y = yp + (tk.r0 + r) * H;
-            int64_t i = 0;
+          if constexpr (std::is_same_v<X, float>) {
+            gemm(act, m, I, w2, H, yp + tk.r0 * H);  // float32: straight into the expert rows (m == n)
+          } else {
+            gemm(act, m, I, w2, H, c2);
+            for (int64_t r = 0; r < n; ++r) {
+              const float* c = c2 + r * H;
+              X* y = yp + (tk.r0 + r) * H;
+              int64_t i = 0;
 #ifdef ADAPT_VW
-            for (; i + VW <= H; i += VW) vstore(y + i, vloadu(c + i));
+              for (; i + VW <= H; i += VW) vstore(y + i, vloadu(c + i));
 #endif
-            for (; i < H; ++i) y[i] = from_f32<X>(c[i]);
+              for (; i < H; ++i) y[i] = from_f32<X>(c[i]);
+            }
           }
         }
 #ifdef ADAPT_AMX
