@@ -301,3 +301,21 @@ def test_shard_through_direct_io_equals_page_cache(tiny_ckpts, tmp_path, monkeyp
         assert len(made) >= len(load_manifest(tmp_path / "direct").files)
     assert _hashes(tmp_path / "direct") == _hashes(tmp_path / "cached")
     assert verify(tmp_path / "direct", source=ckpt).ok
+
+
+def test_each_source_byte_is_read_once_for_all_ranks(tiny_ckpts, tmp_path, monkeypatch):
+    """tp=2 with row-parallel slices, one unit per source file: the pass that hashes a file also feeds both
+    ranks, so the bytes read are exactly the checkpoint's (header included), not once per rank."""
+    import adapt.shard.fanout as fanout
+
+    ckpt = tiny_ckpts["llama"]
+    read = []
+    real = fanout.pread_into
+    monkeypatch.setattr(fanout, "pread_into", lambda fd, dest, offset: read.append(dest.nbytes) or
+                        real(fd, dest, offset))
+    m = shard(ckpt, tmp_path / "o", tp=2, workers=1, trust_hub_cache=False).manifest
+    files = sorted(ckpt.glob("*.safetensors"))
+    assert sum(read) == sum(f.stat().st_size for f in files)
+    assert {s["sha256_from"] for s in m.source_files} == {"hashed"}
+    assert any(t.slice.dim == 1 for f in m.files for t in f.tensors)  # row-parallel slices were there
+    assert verify(tmp_path / "o", source=ckpt).ok
