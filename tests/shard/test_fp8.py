@@ -93,3 +93,23 @@ def test_fp8_keep_small_blocks_tp2(tmp_path):
     assert verify(tmp_path / "o", source=ckpt).ok
     shard(ckpt, tmp_path / "b", tp=2, ep=2, dtype="bf16")
     assert verify(tmp_path / "b", source=ckpt).ok
+
+
+def test_fp8_dequant_the_same_through_direct_io_and_hash_lanes(fp8_ckpt, tmp_path, monkeypatch):
+    """Materialised (dequantized) tensors between streamed ones, written with O_DIRECT through small staging
+    buffers and with the source hashed on a helper thread: the same files as the default run."""
+    import adapt.shard.fanout as fanout
+    import adapt.shard.run as run_mod
+    import adapt.shard.writer as writer
+
+    shard(fp8_ckpt, tmp_path / "ref", tp=2, pp=2, ep=2, dtype="bf16")
+    monkeypatch.setattr(writer, "DIRECT", True)
+    monkeypatch.setattr(writer, "DIRECT_MIN", 0)
+    monkeypatch.setattr(fanout, "STAGE", 8192)
+    monkeypatch.setattr(fanout, "STAGE_MIN", 4096)
+    monkeypatch.setattr(run_mod, "usable_cores", lambda: 8)
+    shard(fp8_ckpt, tmp_path / "o", tp=2, pp=2, ep=2, dtype="bf16", workers=1)
+    ref, got = load_manifest(tmp_path / "ref"), load_manifest(tmp_path / "o")
+    assert [(f.path, f.sha256) for f in got.files] == [(f.path, f.sha256) for f in ref.files]
+    assert got.source_files == ref.source_files
+    assert verify(tmp_path / "o", source=fp8_ckpt).ok
