@@ -167,6 +167,8 @@ def gemm_floor(eng, dev, b, args):
     embedding, streamed in model order, packed as the engine holds them): the ceiling for a runtime doing
     these GEMMs in this dtype on this device."""
     ws = [p for n, p in eng.model.named_parameters() if p.dim() == 2 and not n.startswith("embed")]
+    ws += [m.weight for m in eng.model.modules() if getattr(m, "packable", False)
+           and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 3]  # tiled float32
     if eng.model.lm_head.tied is not None:
         ws.append(eng.model.lm_head.tied.weight)
     xs = {w.shape[1]: torch.randn(b, w.shape[1], device=dev, dtype=eng.dtype) for w in ws}

@@ -40,10 +40,13 @@ def test_operator_alignment_every_kernel(tiny, dtype):
     from adapt.validate.checks.operators import SHARED
 
     every = [f.name for f in fields(get_kernels("adapt")) if f.name != "impl" and f.name not in SHARED]
-    # the one kernel a host may not run: the tiled MoE kernel (bfloat16 needs AMX); reported, not passed
+    # the kernels a host may not run: the tiled MoE kernel (bfloat16 needs AMX) and the tiled linear (float32
+    # only); reported, not passed
+    from adapt.runtime.kernels.linear_tiled import linear_tiles
     from adapt.runtime.kernels.moe_tiled import tiles
 
-    skipped = [] if tiles(64, 64, getattr(torch, dtype)) else ["moe_experts_tiled"]
+    skipped = ([] if tiles(64, 64, getattr(torch, dtype)) else ["moe_experts_tiled"]) + \
+        ([] if linear_tiles(128, 96, getattr(torch, dtype)) else ["linear_tiled"])
     assert out.metrics["kernels"] == len(every) - len(skipped) and out.metrics["kernels_without_case"] == 0
     assert out.metrics["kernels_unsupported_here"] == len(skipped)
     # every MoE expert path the runtime may pick on this host is checked on its own, against the same twin
@@ -66,13 +69,14 @@ def test_operator_alignment_every_kernel(tiny, dtype):
 def test_operator_alignment_float16_reports_what_this_cpu_cannot_pack(tiny):
     # float16 oneDNN packing needs AVX512-FP16 / AVX-NE-CONVERT; without them the packed MoE kernel is
     # reported as not runnable here, and every other kernel is still checked. The tiled MoE kernel runs
-    # float32 and bfloat16 only: always reported for float16.
+    # float32 and bfloat16 only, the tiled linear float32 only: both always reported for float16.
     from adapt.runtime.kernels.moe_experts import onednn_packs
 
     out = operator_alignment({"kernels": "all"}, {}, _ctx(tiny, "float16"))
     unsupported = 0 if onednn_packs(torch.float16) else 1
-    assert out.metrics["kernels_unsupported_here"] == unsupported + 1
+    assert out.metrics["kernels_unsupported_here"] == unsupported + 2  # + the tiled MoE kernel and linear
     assert ("moe_experts_packed" in out.message) == bool(unsupported) and "moe_experts_tiled" in out.message
+    assert "linear_tiled" in out.message
     assert out.metrics["max_abs_vs_torch_ratio"] <= 2.0
 
 

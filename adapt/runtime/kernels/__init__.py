@@ -9,7 +9,8 @@ router_logits) is the same in both.
 from dataclasses import dataclass
 from typing import Callable
 
-from . import activation, attention, kv_quant, kv_write, mla, moe_experts, moe_routing, moe_tiled, norm, paged_attention, rope
+from . import (activation, attention, kv_quant, kv_write, linear_tiled, mla, moe_experts, moe_routing, moe_tiled, norm,
+               paged_attention, rope)
 
 IMPLS = ("adapt", "reference")
 
@@ -31,6 +32,7 @@ _TWINNED = {
     "moe_experts_fused": moe_experts,
     "moe_experts_packed": moe_experts,
     "moe_experts_tiled": moe_tiled,
+    "linear_tiled": linear_tiled,
     "quantize_int8": kv_quant,
     "dequantize_int8": kv_quant,
     "silu_and_mul": activation,
@@ -64,6 +66,7 @@ class Kernels:
     moe_experts_fused: Callable
     moe_experts_packed: Callable
     moe_experts_tiled: Callable
+    linear_tiled: Callable
     quantize_int8: Callable
     dequantize_int8: Callable
     silu_and_mul: Callable

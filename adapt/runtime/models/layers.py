@@ -45,9 +45,13 @@ def slot_loader(module: nn.Module, attr: str, name: str, row: int | None = None,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or oneDNN's linear on a weight :func:`prepack_linears` has packed (``weight.is_mkldnn``),
-    its row count rounded up to a bucket (``bucket_rows``) so that new prefill lengths reuse compiled
-    primitives."""
+    """F.linear; or, on a weight :func:`prepack_linears` has packed, the tiled FMA GEMM (float32 column panels,
+    a 3-D weight) or oneDNN's linear (``weight.is_mkldnn``, its row count rounded up to a bucket,
+    ``bucket_rows``, so that new prefill lengths reuse compiled primitives)."""
+    if weight.dim() == 3:  # float32 column panels for the FMA GEMM (prepack_linears)
+        from adapt.runtime.kernels.linear_tiled import linear_tiled
+
+        return linear_tiled(x, weight, bias)
     if weight.is_mkldnn:
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
@@ -79,8 +83,12 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK_DTY
     2-core Xeon, bfloat16, 16 rows: 768x4096 0.24 -> 0.16 ms, the 32000-row lm_head 1.8 -> 1.3 ms.
     Layers whose weight is read as a tensor elsewhere (routers, MLA's kv_b_proj) set ``packable = False``;
     the packed weight replaces the plain one, so memory does not grow. ``tiled``: MoE experts may take the
-    fused CPU kernel's packed layout (not bitwise with F.linear: see MoE.pack_experts)."""
+    fused CPU kernel's packed layout (not bitwise with F.linear: see MoE.pack_experts), and float32 linears
+    whose N is a multiple of its panel take the same column panels (kernels/linear_tiled.py), faster than
+    oneDNN for decode."""
+    from adapt.runtime.kernels.linear_tiled import linear_tiles, pack_linear
     from adapt.runtime.kernels.moe_experts import onednn_packs
+    from adapt.runtime.kernels.moe_tiled import tiled_panel
 
     dtypes = tuple(d for d in dtypes if onednn_packs(d))  # float16 packs only on CPUs with FP16 support
     n = 0
@@ -92,7 +100,10 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK_DTY
         if (not getattr(m, "packable", False) or not isinstance(w, torch.Tensor) or w.is_mkldnn
                 or w.dim() != 2 or w.dtype not in dtypes or getattr(w, "keep_fp32", False)):
             continue
-        m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16), requires_grad=False)
+        if tiled and linear_tiles(w.shape[0], w.shape[1], w.dtype):
+            m.weight = nn.Parameter(pack_linear(w, tiled_panel(w.dtype)), requires_grad=False)
+        else:
+            m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16), requires_grad=False)
         n += 1
     return n
 

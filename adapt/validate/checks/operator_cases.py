@@ -47,10 +47,11 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
 
 def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh: tuple[int, ...] = (),
           keep_fp32: tuple[int, ...] = (), pack: tuple[int, ...] = (), transposed: tuple[int, ...] = (),
-          tile: tuple[int, ...] = ()) -> Case:
+          tile: tuple[int, ...] = (), panel: tuple[int, ...] = ()) -> Case:
     """``fresh``: positions cloned per call (caches written in place); ``keep_fp32``: never cast;
     ``pack``: stacked expert weights [E, N, K], packed per expert for oneDNN after the cast;
     ``tile``: stacked expert weights packed for the fused tiled MoE kernel (moe_tiled.pack_tiled);
+    ``panel``: a dense [N, K] weight packed in the same kernel's column panels (linear_tiled.pack_linear);
     ``transposed``: [E, N, K] weights held as views of [E, K, N] storage, as the runtime's MoE holds them."""
     kwargs = kwargs or {}
 
@@ -71,6 +72,14 @@ def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh
                     dt = str(y.dtype).replace("torch.", "")
                     raise UnsupportedCase(f"the fused tiled MoE kernel does not run {dt} here")
                 y = pack_tiled(y, tiled_panel(y.dtype))
+            if i in panel:
+                from adapt.runtime.kernels.linear_tiled import linear_tiles, pack_linear
+                from adapt.runtime.kernels.moe_tiled import tiled_panel
+
+                if not linear_tiles(y.shape[0], y.shape[1], y.dtype):
+                    dt = str(y.dtype).replace("torch.", "")
+                    raise UnsupportedCase(f"the tiled linear runs float32 only, with a vector layer; not {dt} here")
+                y = pack_linear(y, tiled_panel(y.dtype))
             if i in transposed:
                 y = y.transpose(1, 2).contiguous().transpose(1, 2)
             a.append(y.clone() if i in fresh else y)
@@ -133,6 +142,8 @@ def build_cases(seed: int = 0) -> dict[str, Case]:
         "moe_experts_tiled": _case([rn(t, 64), torch.rand(t, k, generator=g), torch.randint(0, e, (t, k), generator=g),
                                     rn(e, 64, 64, scale=0.15), rn(e, 64, 32, scale=0.2)], keep_fp32=(1,),
                                    tile=(3, 4)),
+        # N a multiple of the panel (64 with AVX-512, 16 with AVX2); K need not be
+        "linear_tiled": _case([rn(t, 96), rn(128, 96, scale=0.1), rn(128)], panel=(1,)),
         "quantize_int8": _case([xq]),
         "dequantize_int8": _case([q8, s8], keep_fp32=(1,)),
         "silu_and_mul": _case([rn(t, 2 * inter)]),
