@@ -30,7 +30,7 @@ from adapt.runtime.host_memory import tune_malloc
 from adapt.runtime import cpu_kernels
 from adapt.runtime.kernels import get_kernels
 from adapt.runtime.loader import load_weights, materialize
-from adapt.runtime.models.layers import PACK_DTYPES_ALL, PACK_DTYPES_EXACT, can_prepack, prepack_linears
+from adapt.runtime.models.layers import PACK_DTYPES_ALL, PACK_DTYPES_EXACT, can_prepack, linears_form, prepack_linears
 from adapt.runtime.models.moe import experts_form
 from adapt.runtime.model_runner import ModelRunner, prefill_tiles
 from adapt.runtime.models.batch import ForwardBatch
@@ -140,10 +140,11 @@ class Engine:
 
         kv_cache_memory: bytes, a size string ('2GiB') or a fraction of free memory ('0.5'); default 90% of
         free device memory (CPU: at most 512 MiB). kv_cache_dtype: 'auto' (the model dtype) or 'int8'.
-        prepack: on CPU, pack linear weights once for oneDNN: 'auto' for every dtype it packs (bfloat16 /
-        float16 give F.linear's results bitwise, float32 sums in another order, a few ulp away, about twice
-        as fast), and MoE experts for the fused tiled CPU kernel where a trial says it wins (not bitwise either),
-        'exact' only the bitwise-exact dtypes, 'off' never.
+        prepack: on CPU, pack linear weights once at load: 'auto' for every dtype (bfloat16 / float16 for
+        oneDNN, F.linear's results bitwise; float32 in column panels for the fused kernels' FMA GEMM where
+        they are built, else for oneDNN, either summing in another order, a few ulp away), and MoE experts for
+        the fused tiled CPU kernel where a trial says it wins (not bitwise either); 'exact' only the
+        bitwise-exact dtypes (oneDNN); 'off' never.
         """
         if prepack not in ("auto", "exact", "off"):
             raise RuntimeConfigError(f"--prepack must be auto, exact or off; got {prepack!r}")
@@ -236,6 +237,7 @@ class Engine:
             "cpu_kernels": (None if self.device.type != "cpu" else cpu_kernels.status() if self.kernels.impl == "adapt"
                             else "off (--kernels reference)"),
             "moe_experts": experts_form(self.model),  # tiled / oneDNN packed / stacked (models/moe.py)
+            "linears": linears_form(self.model),  # {"fma panels" | "oneDNN packed" | "plain": count}
             "kv_cache": {
                 "dtype": "int8" if self.pool.spec.quant == "int8" else str(self.pool.spec.dtype).replace("torch.", ""),
                 "block_size": bs, "blocks_total": self.pool.num_blocks, "blocks_peak_used": st["peak_blocks"],

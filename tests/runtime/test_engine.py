@@ -199,6 +199,11 @@ def test_prepacked_fp32_linears_stay_within_fp32_tolerance(which, request, monke
     # float32 linears take the tiled FMA GEMM's column panels where this build has it, else oneDNN's layout
     assert bool(tiled) == linear_tiles(64, 64, torch.float32)
     assert not any(p.is_mkldnn for e in (exact, plain) for p in e.model.parameters())
+    packed.generate([[1, 2, 3]], GREEDY)
+    plain.generate([[1, 2, 3]], GREEDY)
+    forms = packed.last_stats["linears"]
+    assert forms.get("fma panels", 0) == len(tiled) and sum(forms.values()) > 0
+    assert set(plain.last_stats["linears"]) == {"plain"}
     ids = [0, 5, 9, 33, 2, 17, 40]
     a, b = packed.prefill_logits(ids), plain.prefill_logits(ids)
     assert torch.equal(exact.prefill_logits(ids), b)

@@ -108,6 +108,18 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK_DTY
     return n
 
 
+def linears_form(model: nn.Module) -> dict[str, int]:
+    """How the packable linears are held (engine stats): counts of "fma panels" (the tiled float32 GEMM),
+    "oneDNN packed" and "plain" (F.linear)."""
+    out: dict[str, int] = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if getattr(m, "packable", False) and isinstance(w, torch.Tensor):
+            k = "fma panels" if w.dim() == 3 else "oneDNN packed" if w.is_mkldnn else "plain"
+            out[k] = out.get(k, 0) + 1
+    return out
+
+
 class Linear(nn.Module):
     """A replicated linear (every rank holds all of it): MLA down-projections, routers."""
 
