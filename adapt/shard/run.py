@@ -266,11 +266,17 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         d = recorded_digest(src_dir / name, src_stat[name], known_src.get(name), trust_hub_cache)
         if d is not None:
             src_entries[name] = dict(name=name, **d)
-    for f in files:  # outputs a journal or old manifest vouches for, if they still hash the same
+    def still_good(f: OutputFile) -> bool:  # an output a journal or old manifest vouches for, if it hashes the same
         k, path = known.get(f.path), out / f.path
-        if k and path.is_file() and path.stat().st_size == k["size"] and sha256_file(path) == k["sha256"]:
-            done[f.path] = replace(f, size=k["size"], sha256=k["sha256"])
-            tick(f.nbytes, total)
+        return bool(k and path.is_file() and path.stat().st_size == k["size"] and sha256_file(path) == k["sha256"])
+
+    vouched = [f for f in files if f.path in known]
+    with ThreadPoolExecutor(max_workers=workers or auto_workers(len(vouched))) as pool:  # a resume re-hashes them
+        for f, good in zip(vouched, pool.map(still_good, vouched)):
+            if good:
+                k = known[f.path]
+                done[f.path] = replace(f, size=k["size"], sha256=k["sha256"])
+                tick(f.nbytes, total)
     units = plan_units(ckpt, files, plan.world_size, workers or auto_workers(1 << 30),
                        set(ckpt.files) - set(src_entries))
     for u in units:
