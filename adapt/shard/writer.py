@@ -137,7 +137,10 @@ class _Direct:
             end = self.fill + (-self.fill % ALIGN if self.direct else 0)
             view = self.views[self.cur]
             view[self.fill:end] = bytes(end - self.fill)
-            (self._first if self.pos == 0 else lambda d: _pwrite_all(self.fd, d, self.pos))(view[:end])
+            if self.pos == 0:
+                self._first(view[:end])
+            else:
+                _pwrite_all(self.fd, view[:end], self.pos)
         os.ftruncate(self.fd, size)
 
     def close(self) -> None:

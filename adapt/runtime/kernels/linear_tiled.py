@@ -21,11 +21,11 @@ def linear_tiled(x: torch.Tensor, w_panels: torch.Tensor, bias: torch.Tensor | N
     """F.linear(x, W, bias) for W packed by ``pack_linear``: x [..., K] float32 -> [..., N]. The fused CPU
     kernel runs it where it takes the tensors (CPU, no autograd); otherwise W is unpacked (a copy)."""
     ext = fused.module()
-    rows = x.reshape(-1, x.shape[-1])
-    if (ext is not None and x.device.type == "cpu" and x.dtype == torch.float32 and tiled_panel(torch.float32)
+    if (ext is not None and x.device.type == "cpu" and x.dtype == torch.float32
             and w_panels.shape[2] == tiled_panel(torch.float32)
             and not (torch.is_grad_enabled() and (x.requires_grad or w_panels.requires_grad))):
-        y = ext.linear_tiled(rows.contiguous(), w_panels, None if bias is None else bias.contiguous())
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y = ext.linear_tiled(rows, w_panels, None if bias is None else bias.contiguous())
         return y.view(*x.shape[:-1], y.shape[-1])
     return linear_tiled_ref(x, w_panels, bias)
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from adapt.errors import CheckpointError
+from adapt.runtime.kernels.linear_tiled import linear_tiled
 from adapt.runtime.kernels.rows import bucket_rows, pad_rows
 from adapt.runtime.parallel import ParallelContext
 
@@ -49,8 +50,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a 3-D weight) or oneDNN's linear (``weight.is_mkldnn``, its row count rounded up to a bucket,
     ``bucket_rows``, so that new prefill lengths reuse compiled primitives)."""
     if weight.dim() == 3:  # float32 column panels for the FMA GEMM (prepack_linears)
-        from adapt.runtime.kernels.linear_tiled import linear_tiled
-
         return linear_tiled(x, weight, bias)
     if weight.is_mkldnn:
         rows = x.reshape(-1, x.shape[-1])

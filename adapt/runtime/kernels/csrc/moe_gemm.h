@@ -419,7 +419,8 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
         const int64_t mp = lowp ? (MC + 15) / 16 * 16 : MC;
         // uninitialized (every row read is written first; std::vector would zero ~1.5 MB per thread per call)
         std::unique_ptr<X[]> xa_(new X[mp * H]), act_(new X[mp * I]);
-        std::unique_ptr<float[]> c1_(new float[mp * N1]), c2_(new float[mp * H]);
+        // c2: bfloat16's down output before rounding (float32 writes the expert rows directly)
+        std::unique_ptr<float[]> c1_(new float[mp * N1]), c2_(lowp ? new float[mp * H] : nullptr);
         X* const xa = xa_.get();
         X* const act = act_.get();
         float* const c1 = c1_.get();
