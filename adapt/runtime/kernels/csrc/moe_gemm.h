@@ -5,6 +5,8 @@
 #include "common.h"
 #include "moe.h"
 
+#include <atomic>
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -137,10 +139,12 @@ inline void fma_block(const float* A, int64_t K, const float* b, float* C, int64
   vf c[MR][FMA_NV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < FMA_NV; ++j) c[r][j] = vzero();
-  int64_t pl = 0;
+  // this block's share of the prefetch, spread evenly over k: a line each time a running sum of pf_lines
+  // passes K (a division per step instead, an idiv in the loop, was 4-5% slower at 512 tokens)
+  const char* pq = reinterpret_cast<const char*>(pf);
+  int64_t due = 0;
   for (int64_t k = 0; k < K; ++k) {
-    for (const int64_t until = (k + 1) * pf_lines / K; pl < until; ++pl)  // this block's share, spread evenly
-      _mm_prefetch(reinterpret_cast<const char*>(pf + pl * 16), _MM_HINT_T1);
+    for (due += pf_lines; due >= K; due -= K, pq += 64) _mm_prefetch(pq, _MM_HINT_T1);
     vf v[FMA_NV];
     for (int j = 0; j < FMA_NV; ++j) v[j] = vloadu(b + k * FMA_NR + j * VW);
     for (int r = 0; r < MR; ++r) {
@@ -166,7 +170,7 @@ inline void fma_gemm(const float* A, int64_t M, int64_t K, const float* B, int64
     const float* b = B + n0 * K;
     const bool last = n0 + FMA_NR >= N;
     // the last panel prefetches the first of the GEMM that follows (``next``, of depth next_k), if any: 1.5-3.5%
-    // at 16 and 512 tokens (A/B in one process)
+    // at 16 and 512 tokens (A/B in one process); two or more panels ahead was slower (3-8% at 512 tokens)
     const float* pf = !last ? b + K * FMA_NR : next;
     const int64_t pf_all = !last ? lines : next_k * FMA_NR / 16;
     const int64_t pf_per = (pf_all + blocks - 1) / blocks;
@@ -371,24 +375,26 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
     }
   }
   // tasks: row chunks of one expert, at most MC rows, so that the buffers stay near L2 and two threads share
-  // a busy expert; split across threads by cost (padded rows + a fixed share for streaming the weights). A
-  // chunk streams its expert's weights once, so MC is at least 64 rows (DeepSeek-V3's experts: 64 rows,
-  // 4 MB of buffers per thread)
+  // a busy expert. A chunk streams its expert's weights once, so MC is at least 64 rows (DeepSeek-V3's
+  // experts: 64 rows, 4 MB of buffers per thread); an expert's rows split evenly between its chunks.
   const int64_t per_row = (H + I) * (lowp ? 2 : 4) + (N1 + H) * 4;
   const int64_t MC = std::max<int64_t>(64, std::min<int64_t>(256, ((1 << 20) / per_row) / 32 * 32));
   struct Task {
     int64_t e, r0, n;
   };
   std::vector<Task> tasks;
-  std::vector<int64_t> cost_end;
-  int64_t total = 0;
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += MC) {
-      const int64_t n = std::min(MC, start[e + 1] - r0);
-      tasks.push_back({e, r0, n});
-      total += (lowp ? (n + 15) / 16 * 16 : n) + 16;
-      cost_end.push_back(total);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = start[e + 1] - start[e], chunks = (rows + MC - 1) / MC;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
+      tasks.push_back({e, start[e] + r0, r1 - r0});
     }
+  }
+  // largest first, taken by the threads as they come free: a static split by rows left one thread 0.5-2.5
+  // ms behind the other at 512 tokens (their experts' weights stream from memory at different rates); 7.4 ->
+  // 6.7 ms (float32, 32 experts of 2I = 512, H = 512, the bench's routing; A/B in one process)
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.n > b.n; });
+  std::atomic<int64_t> next_task{0};
   auto ys = torch::empty({R, H}, x.options());
   auto out = torch::empty({T, H}, x.options());
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (int64_t)tasks.size()));
@@ -412,10 +418,6 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
     };
     at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t ti = i0; ti < i1; ++ti) {
-        // this thread's tasks: those whose cost ends in its share
-        const int64_t lo = total * ti / nt, hi = total * (ti + 1) / nt;
-        const int64_t a = std::upper_bound(cost_end.begin(), cost_end.end(), lo) - cost_end.begin();
-        const int64_t b = std::upper_bound(cost_end.begin(), cost_end.end(), hi) - cost_end.begin();
         const int64_t mp = lowp ? (MC + 15) / 16 * 16 : MC;
         // uninitialized (every row read is written first; std::vector would zero ~1.5 MB per thread per call)
         std::unique_ptr<X[]> xa_(new X[mp * H]), act_(new X[mp * I]);
@@ -429,7 +431,10 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
         if constexpr (std::is_same_v<X, bf16>)
           if (kind == 2) amx_config();
 #endif
-        for (int64_t j = a; j < std::min<int64_t>(b, tasks.size()); ++j) {
+        const int64_t ntasks = tasks.size();
+        // a thread claims its next task before the down GEMM of the one it runs, whose last panel prefetches
+        // the next task's first
+        for (int64_t j = next_task.fetch_add(1), jn; j < ntasks; j = jn) {
           const Task& tk = tasks[j];
           const int64_t n = tk.n, m = lowp ? (n + 15) / 16 * 16 : n;
           for (int64_t r = 0; r < n; ++r)
@@ -437,11 +442,7 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
           if (m > n) std::memset(static_cast<void*>(xa + n * H), 0, (m - n) * H * sizeof(X));
           const X* w1 = gup + tk.e * N1 * H;
           const X* w2 = dp + tk.e * H * I;
-          // the GEMM after this one, for its first panel's prefetch: down after gate|up, the next task's gate|up
-          // after down (nothing when that is the same expert's, still in cache)
-          const X* w1_next = j + 1 < std::min<int64_t>(b, tasks.size()) && tasks[j + 1].e != tk.e
-                                 ? gup + tasks[j + 1].e * N1 * H : nullptr;
-          gemm(xa, m, H, w1, N1, c1, w2, I);
+          gemm(xa, m, H, w1, N1, c1, w2, I);  // its last panel prefetches down's first
           // act = T(silu(T(gate))) * T(up), rounded to T (the torch form's F.linear then silu_and_mul)
           for (int64_t r = 0; r < m; ++r) {
             const float* g = c1 + r * N1;
@@ -461,6 +462,10 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
               o[i] = from_f32<X>(rnd<X>(gv / (1.f + exp_f32(-gv))) * rnd<X>(u[i]));
             }
           }
+          // the next task's gate|up, for the prefetch of its first panel (nothing when it is the same expert's,
+          // still in cache)
+          jn = next_task.fetch_add(1);
+          const X* w1_next = jn < ntasks && tasks[jn].e != tk.e ? gup + tasks[jn].e * N1 * H : nullptr;
           if constexpr (std::is_same_v<X, float>) {
             gemm(act, m, I, w2, H, yp + tk.r0 * H, w1_next, H);  // float32: straight into the expert rows (m == n)
           } else {
