@@ -12,8 +12,18 @@ import os
 import pkgutil
 import sys
 
-import click
 import typer
+
+try:  # typer >= 0.26 carries its own copy of click: its parser raises that copy's exceptions, not click's
+    from typer._click import exceptions as cx
+except ImportError:  # pragma: no cover
+    from click import exceptions as cx
+
+# what the parser raises for a usage error (unknown option, bad value, missing argument), to exit and to abort;
+# the copy has no Exit / Abort of its own (typer's are raised instead)
+_USAGE = cx.ClickException
+_EXIT = tuple({typer.Exit, getattr(cx, "Exit", typer.Exit)})
+_ABORT = tuple({typer.Abort, getattr(cx, "Abort", typer.Abort)})
 
 from adapt import __version__
 from adapt.errors import AdaptError
@@ -69,13 +79,15 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except click.exceptions.Exit as e:
+    except _EXIT as e:
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except _ABORT:
         print("aborted", file=sys.stderr)
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
+    except _USAGE as e:  # one line too, pointing at the command's help; exit 2
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        print(f"error: {e.format_message()}{hint}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

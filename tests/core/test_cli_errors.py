@@ -82,3 +82,18 @@ def test_debug_shows_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "adapt", "profile", cfg], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=60)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["shard", "--bogus"], "No such option: --bogus"),
+    (["run"], "Missing argument 'model'"),
+    (["profile", "tiny-llama", "--format"], "requires an argument"),
+    (["no-such-command"], "No such command 'no-such-command'"),
+])
+def test_usage_errors_one_line_exit_2(argv, message, capsys, monkeypatch):
+    # typer >= 0.26 raises its own copy of click's exceptions: each is a usage error here, not an internal one
+    monkeypatch.delenv("ADAPT_DEBUG", raising=False)
+    code, out, err = run(argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, (argv, err)
+    assert lines[0].startswith("error: ") and message in lines[0] and "internal error" not in lines[0]
