@@ -14,6 +14,8 @@ softmax top-k, sorted=False for the DeepSeek routers), so outputs compare equal 
 import torch
 import torch.nn.functional as F
 
+from . import fused
+
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, float32: bool) -> torch.Tensor:
     """x [T, H], gate weight [E, H] -> logits [T, E]; float32=True for the DeepSeek routers."""
@@ -26,10 +28,23 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     """Softmax over E (float32), top-k, optional renormalization over the K chosen.
     Mixtral: renormalize=True. Qwen2-MoE / Qwen3-MoE: renormalize=config.norm_topk_prob."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    weights, ids = _topk_sorted(probs, top_k)  # [T, K]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def _topk_sorted(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(probs, k, dim=-1) (sorted), float32 [T, E]: on the CPU by the fused kernels' one-pass
+    selection where every row's result is decided without a tie (the same values and ids); torch.topk
+    otherwise, so that ties keep torch's order."""
+    ext = fused.module()
+    if (ext is not None and probs.device.type == "cpu" and probs.dim() == 2 and 0 < k <= probs.shape[1]
+            and not probs.requires_grad):
+        values, ids, exact = ext.topk_rows(probs.contiguous(), k)
+        if exact:
+            return values, ids
+    return torch.topk(probs, k, dim=-1)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:

@@ -121,3 +121,51 @@ def test_bias_steers_selection_not_weights():
 def test_unknown_v2_method():
     with pytest.raises(ValueError, match="topk_method"):
         deepseek_v2_topk(torch.zeros(1, 4), 1, "noaux_tc")
+
+
+# ---- the fused kernels' top-k (softmax_topk's selection on the CPU): torch.topk's values, ids and order
+
+
+def _topk_cases():
+    g = torch.Generator().manual_seed(5)
+    for t, e, k in [(1, 8, 1), (37, 16, 2), (512, 32, 4), (300, 64, 6), (9, 8, 8), (130, 128, 8), (0, 16, 2)]:
+        yield f"{t}x{e}k{k}", torch.softmax(torch.randn(t, e, generator=g), dim=-1), k
+    tied = torch.softmax(torch.randn(64, 16, generator=g), dim=-1)
+    tied[3] = 1 / 16  # a row of equal scores (a zero hidden state routes like this)
+    tied[7, 5] = tied[7].max()  # two equal among the chosen
+    yield "ties", tied, 4
+    boundary = torch.softmax(torch.randn(16, 16, generator=g), dim=-1)
+    top = boundary[2].sort(descending=True).values
+    boundary[2, boundary[2] == top[4]] = top[3]  # the 4th and 5th best equal: which one is chosen
+    yield "tie at the boundary", boundary, 4
+    nan = torch.softmax(torch.randn(8, 16, generator=g), dim=-1)
+    nan[1, 3] = float("nan")
+    yield "nan", nan, 2
+
+
+@pytest.mark.parametrize("case", list(_topk_cases()), ids=lambda c: c[0])
+def test_topk_selection_is_torch_topk(case, kernel_form):
+    from adapt.runtime.kernels.moe_routing import _topk_sorted
+
+    _, probs, k = case
+    v, i = _topk_sorted(probs, k)
+    vt, it = torch.topk(probs, k, dim=-1)
+    assert torch.equal(i, it) and torch.equal(v.nan_to_num(-1.0), vt.nan_to_num(-1.0))
+
+
+def test_topk_rows_flags_what_it_cannot_decide():
+    from adapt.runtime import cpu_kernels
+
+    ext = cpu_kernels.load()
+    if ext is None:
+        pytest.skip(f"fused CPU kernels {cpu_kernels.status()}")
+    x = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.5, 0.1, 0.3, 0.1]])
+    v, i, exact = ext.topk_rows(x, 2)
+    assert exact and torch.equal(i, torch.tensor([[1, 2], [0, 2]])) and torch.equal(v, x.gather(1, i))
+    assert not ext.topk_rows(x, 3)[2]  # row 1: its 3rd best (0.1) equals the best left out
+    assert ext.topk_rows(x, 4)[2] is False  # row 1 holds two equal values among the chosen
+    assert not ext.topk_rows(torch.tensor([[0.1, float("nan"), 0.3]]), 1)[2]
+    with pytest.raises(RuntimeError, match="1 <= K <= E"):
+        ext.topk_rows(x, 5)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.topk_rows(x.double(), 2)

@@ -37,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv);
   m.def("moe_pad_gather", &moe_pad_gather);
   m.def("moe_combine", &moe_combine);
+  m.def("topk_rows", &topk_rows);
   m.def("moe_experts_tiled", &moe_experts_tiled);
   m.def("moe_tiled_dtypes", &moe_tiled_dtypes);
   m.def("moe_tiled_bf16_gemm", &moe_tiled_bf16_gemm);
