@@ -143,7 +143,23 @@ inline void fma_block(const float* A, int64_t K, const float* b, float* C, int64
   // passes K (a division per step instead, an idiv in the loop, was 4-5% slower at 512 tokens)
   const char* pq = reinterpret_cast<const char*>(pf);
   int64_t due = 0;
-  for (int64_t k = 0; k < K; ++k) {
+  // four k steps per prefetch check and loop test: 512 tokens 5.67 -> 5.24 ms with AVX-512 (AVX2 9.1 -> 8.6),
+  // a 256-row dense linear 9% faster (A/B in one process); the same accumulation order, so the same bits. (The
+  // step as a lambda called four times was 3-4% slower than the unrolled loop.)
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    for (due += 4 * pf_lines; due >= K; due -= K, pq += 64) _mm_prefetch(pq, _MM_HINT_T1);
+#pragma GCC unroll 4
+    for (int64_t kk = k; kk < k + 4; ++kk) {
+      vf v[FMA_NV];
+      for (int j = 0; j < FMA_NV; ++j) v[j] = vloadu(b + kk * FMA_NR + j * VW);
+      for (int r = 0; r < MR; ++r) {
+        const vf av = vset1(A[r * K + kk]);
+        for (int j = 0; j < FMA_NV; ++j) c[r][j] = vfma(av, v[j], c[r][j]);
+      }
+    }
+  }
+  for (; k < K; ++k) {  // the last K % 4 steps
     for (due += pf_lines; due >= K; due -= K, pq += 64) _mm_prefetch(pq, _MM_HINT_T1);
     vf v[FMA_NV];
     for (int j = 0; j < FMA_NV; ++j) v[j] = vloadu(b + k * FMA_NR + j * VW);
