@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adapt.source import is_hub_id, resolve_model
+
 DEFAULT_MODEL = "tiny-k2"
 STAGE_TIMEOUT_S = 600
 RUN_PROMPT = "The capital of France is"
@@ -139,6 +141,8 @@ def day0(model: str | None, out: str | Path, log: Callable[[str], None] = print,
          dtype: str = "float32", checklist: str | Path | None = None) -> Day0Result:
     """Run the whole chain into ``out``; see the module docstring. Returns every stage's record."""
     t_all = time.perf_counter()
+    if model is not None and (Path(model).expanduser().exists() or not is_hub_id(model)):
+        resolve_model(model)  # no such model, or a broken config: one line before anything is written
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     c = _Chain(out, log)

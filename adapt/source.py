@@ -43,6 +43,11 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
+def is_hub_id(model: str) -> bool:
+    """Whether MODEL has the form of a hub repository id (owner/name)."""
+    return bool(_HUB_ID.match(model))
+
+
 def resolve_model(model: str) -> ModelSource:
     """Turn MODEL into a ModelSource. Built-in names win over same-named relative paths that don't exist."""
     path = Path(model).expanduser()

@@ -54,7 +54,7 @@ def plan_cmd(
                                                   "searching.")] = None,
     emit_engine: Annotated[Optional[str], typer.Option("--emit", help="Print the vllm | sglang launch "
                                                        "flags of the recommended layout.")] = None,
-    top: Annotated[int, typer.Option("--top", help="Candidates shown in the table.")] = 10,
+    top: Annotated[int, typer.Option("--top", min=1, help="Candidates shown in the table.")] = 10,
 ) -> None:
     """Search parallel layouts for MODEL on a cluster; rank those that fit, say why the others do not."""
     check_choice(fmt, ("table", "json"), "--format")

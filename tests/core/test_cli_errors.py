@@ -97,3 +97,37 @@ def test_usage_errors_one_line_exit_2(argv, message, capsys, monkeypatch):
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1, (argv, err)
     assert lines[0].startswith("error: ") and message in lines[0] and "internal error" not in lines[0]
+
+
+def test_only_the_invoked_command_is_imported():
+    """`adapt shard ...` imports shard's command file alone (each file costs start-up time); `adapt --help`
+    and an unknown command still see every command."""
+    code = ("import sys\nfrom adapt.cli.main import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('adapt.cli.')))")
+
+    def loaded(*argv):
+        p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT)
+        return p.stdout, p.stderr
+
+    out, _ = loaded("shard", "--help")
+    assert "adapt.cli.shard" in out and "adapt.cli.day0" not in out and "adapt.cli.plan'" not in out
+    out, _ = loaded("init-model", "--help")
+    assert "adapt.cli.init_model" in out and "adapt.cli.shard" not in out
+    out, _ = loaded("--help")
+    for cmd in ("day0", "init-model", "plan", "profile", "run", "serve", "shard", "validate", "hardware"):
+        assert cmd in out
+    _, err = loaded("shrad")
+    assert "No such command 'shrad'" in err
+
+
+def test_commands_registered_across_calls(capsys):
+    """One process, several commands (as the tests and `day0` do): each call finds its own command."""
+    for argv, text in ((["plan", "--help"], "--devices-per-node"), (["profile", "--help"], "--phase"),
+                       (["shard", "verify", "--help"], "--source")):
+        try:
+            main(argv)  # --help returns (standalone_mode off)
+        except SystemExit as e:
+            assert e.code == 0, argv
+        out = capsys.readouterr().out
+        assert text in out, (argv, out[-500:])

@@ -58,3 +58,17 @@ def test_day0_with_no_argument_builds_tiny_k2_and_finishes_in_3_minutes(tmp_path
     assert rc == 0
     _check_dir(out, with_model=True)
     assert (out / "model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("model, text", [("no-such-model", "is not a directory, a config file"),
+                                         ("empty", "has no config.json")])
+def test_day0_on_a_model_that_does_not_resolve_fails_before_writing(tmp_path, monkeypatch, capsys, model, text):
+    from adapt.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as e:
+        main(["day0", model, "--out", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and text in err[0], err
+    assert not (tmp_path / "d").exists()

@@ -109,6 +109,7 @@ def test_bad_plan_files(capsys, tmp_path, edit, field):
     ("hardware: h200\nmemory_utilization: 1.5\n", "'memory_utilization'"),
     ("hardware: h200\nnodes: 2\nmax_nodes: 4\n", "'nodes'"),
     ("hardware: h200\ninter_node_bandwidth: -1\n", "'inter_node_bandwidth'"),
+    ("hardware: h200\ndevices_per_node: 0\n", "'devices_per_node'"),  # 0 is not "the hardware's default"
     ("hardware: {name: x, memory_bytes: 1, memory_bandwidth: 1, flops: {bfloat16: 1}, source: s, hbm: 3}\n",
      "'hbm'"),
     ("hardware: [h200\n", "malformed YAML"),
@@ -127,3 +128,13 @@ def test_cluster_file(capsys, tmp_path):
     doc = json.loads(out)
     assert code == 0 and doc["recommended"]["nodes"] == 2
     assert doc["cluster"]["inter_node_bandwidth"] == 2.5e10 and doc["cluster"]["memory_utilization"] == 0.85
+
+
+@pytest.mark.parametrize("argv, field", [
+    (("--devices-per-node", "0"), "'devices_per_node'"),
+    (("--inter-node-bandwidth", "0"), "'inter_node_bandwidth'"),
+    (("--intra-node-latency", "0"), "'intra_node_latency_s'"),
+    (("--top", "0"), "--top"),
+])
+def test_zero_is_an_error_not_the_default(capsys, tmp_path, argv, field):
+    assert field in _one_line_error(capsys, tmp_path, L405, *argv)

@@ -131,11 +131,14 @@ def make_cluster(hardware: str | HardwareSpec | dict, devices_per_node: int | No
         raise HardwareError(f"{where}: 'hardware' must be a name, a file or a mapping, got {hardware!r}")
     if nodes is not None and max_nodes is not None:
         raise HardwareError(f"{where}: give 'nodes' (use exactly N nodes) or 'max_nodes' (search up to N), not both")
-    vals = dict(devices_per_node=devices_per_node or hw.devices_per_node,
-                intra_node_bandwidth=intra_node_bandwidth or hw.intra_node_bandwidth or hw.memory_bandwidth / 4,
-                inter_node_bandwidth=inter_node_bandwidth or hw.inter_node_bandwidth or 5e10,
-                intra_node_latency_s=intra_node_latency_s or hw.intra_node_latency_s,
-                inter_node_latency_s=inter_node_latency_s or hw.inter_node_latency_s)
+    def given(v, default):  # a value the caller gave, even 0 (then an error below), else the hardware's
+        return default if v is None else v
+
+    vals = dict(devices_per_node=given(devices_per_node, hw.devices_per_node),
+                intra_node_bandwidth=given(intra_node_bandwidth, hw.intra_node_bandwidth or hw.memory_bandwidth / 4),
+                inter_node_bandwidth=given(inter_node_bandwidth, hw.inter_node_bandwidth or 5e10),
+                intra_node_latency_s=given(intra_node_latency_s, hw.intra_node_latency_s),
+                inter_node_latency_s=given(inter_node_latency_s, hw.inter_node_latency_s))
     vals["devices_per_node"] = _pos(vals["devices_per_node"], "devices_per_node", where, int)
     for k in ("intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency_s", "inter_node_latency_s"):
         vals[k] = _pos(vals[k], k, where)
