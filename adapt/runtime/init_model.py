@@ -9,8 +9,11 @@ is spread; DeepSeek's correction bias N(0, 0.1). transformers' AutoModelForCausa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -18,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from adapt.builtin import BUILTIN_CONFIGS, builtin_config
-from adapt.errors import ModelNotFoundError
+from adapt.errors import AdaptError, ModelNotFoundError
 from adapt.layout import TensorSpec, WeightLayout
 from adapt.runtime.tiny_tokenizer import build_tiny_tokenizer
 from adapt.spec import ModelSpec
@@ -40,12 +43,37 @@ def _tensor(t: TensorSpec, seed: int) -> torch.Tensor:
 
 
 def init_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the built-in model ``name`` to ``out_dir``; returns the directory."""
+    """Write the built-in model ``name`` to ``out_dir``; returns the directory. The files are written into a
+    temporary directory beside it first, so a killed run leaves no partial checkpoint under the name."""
     cfg = builtin_config(name)
     if cfg is None:
         raise ModelNotFoundError(f"unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_CONFIGS)}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise AdaptError(f"{out} exists and is not a directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as e:
+        raise AdaptError(f"cannot write {out}: {e.strerror}") from e
+    try:
+        _write(cfg, name, tmp, seed)
+        try:
+            os.replace(tmp, out)  # a new or empty directory: one rename
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            for f in sorted(tmp.iterdir()):  # a directory with files (a rewrite): file by file
+                os.replace(f, out / f.name)
+    except OSError as e:
+        raise AdaptError(f"cannot write {out}: {e.strerror}") from e
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write(cfg: dict, name: str, out: Path, seed: int) -> None:
     spec = ModelSpec.from_hf_config(cfg, name=name)
     layout = WeightLayout.from_spec(spec)
     # adapt.builtin's special ids are the tiny tokenizer's: <s> 0, </s> 1, <pad> 2
@@ -55,7 +83,6 @@ def init_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} | {"do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     build_tiny_tokenizer(out, vocab_size=spec.vocab_size)
-    return out
 
 
 def cache_root() -> Path:
@@ -68,16 +95,5 @@ def builtin_checkpoint(name: str) -> Path:
     target = cache_root() / "models" / name
     if all((target / f).is_file() for f in FILES):
         return target
-    tmp = target.parent / f".{name}.{os.getpid()}.tmp"
-    init_model(name, tmp)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, target) if not target.exists() else None
-    except OSError:
-        pass
-    if not all((target / f).is_file() for f in FILES):  # a stale partial dir: rewrite in place
-        init_model(name, target)
-    if tmp.exists():
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
+    init_model(name, target)  # atomic: a reader sees the files whole or not at all
     return target

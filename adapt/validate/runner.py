@@ -110,6 +110,10 @@ def validate(
         from adapt.errors import ValidationInputError
 
         raise ValidationInputError("--write-baseline needs --signer NAME for the sign-off")
+    if Path(out).exists() and not Path(out).is_dir():  # before the run, not after it
+        from adapt.errors import ValidationInputError
+
+        raise ValidationInputError(f"--out {out} exists and is not a directory")
     report, notes = run_validation(target, reference, checklist=checklist, device=device, dtype=dtype,
                                    runtime=runtime, only=only, baseline=baseline)
     report.environment["validate_seconds"] = round(time.perf_counter() - t0, 3)

@@ -61,6 +61,19 @@ def test_init_model_is_deterministic_and_loads_in_transformers(tmp_path, cache, 
     assert got == want.tolist()
 
 
+def test_init_model_into_a_file_or_an_existing_model(tmp_path, cache, capsys, monkeypatch):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    code, _, err = _run_here(["init-model", "tiny-llama", str(f)], cache, capsys, monkeypatch)
+    assert code == 1 and err.strip() == f"error: {f} exists and is not a directory" and f.read_text() == "x"
+    d = tmp_path / "m"
+    for _ in range(2):  # a rewrite replaces the files in place
+        assert _run_here(["init-model", "tiny-llama", str(d)], cache, capsys, monkeypatch)[0] == 0
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                   "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "m"]  # no temporary directory left
+
+
 def test_run_json_builtin_batch(cache):
     out = _run(["run", "tiny-k2", "--prompt", "Hello there", "--prompt", "The quick brown fox", "--prompt-ids",
                 "1,2,3", "--max-tokens", "6", "--ignore-eos", "--format", "json", "--kv-cache-memory", "8MiB"], cache)

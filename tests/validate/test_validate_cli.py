@@ -130,3 +130,7 @@ def test_bad_inputs_exit_2(models, tmp_path):
     assert run_cli("validate", models["clean"], "--reference", tmp_path, "--out", tmp_path / "o") == 2
     assert run_cli("validate", models["clean"], "--reference", models["clean"], "--out", tmp_path / "o",
                    "--write-baseline", tmp_path / "b.json") == 2  # no --signer
+    afile = tmp_path / "afile"
+    afile.write_text("x")  # refused before the run, not after it
+    assert run_cli("validate", models["clean"], "--reference", models["clean"], "--out", afile) == 2
+    assert afile.read_text() == "x"

@@ -196,6 +196,9 @@ def _messages(v: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(v):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+        if m.get("content") is None and m["role"] != "assistant":  # only an assistant turn may come without text
+            raise bad_request(f"messages[{i}].content is required for role {m['role']!r}", f"messages[{i}].content",
+                              "missing_field")
         out.append({**{k: x for k, x in m.items() if k not in ("content",)}, "content": _content(m, i)})
     return out
 

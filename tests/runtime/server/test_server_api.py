@@ -143,6 +143,8 @@ def test_bad_requests_get_400(client):
     _err(client.post("/v1/chat/completions", {"messages": "hi"}), 400, "messages")
     _err(client.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}), 400, "n")
     _err(client.post("/v1/completions", {"prompt": "x", "model": "gpt-4"}), 404, "model", "model_not_found")
+    _err(client.post("/v1/chat/completions", {"messages": [{"role": "user"}]}), 400, "messages[0].content",
+         "missing_field")
     # accepted no-op values of unsupported fields
     assert client.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "presence_penalty": 0, "n": 1,
                                            "echo": False, "user": "u"})[0] == 200
