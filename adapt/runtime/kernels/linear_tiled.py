@@ -1,4 +1,4 @@
-"""A float32 linear on column-panel-packed weights: the tiled MoE kernel's FMA GEMM for a dense layer.
+"""A linear on column-panel-packed weights: the tiled MoE kernel's FMA GEMM for a dense layer.
 
 The weight [N, K] is packed once at load (``pack_linear``) into panels [N / P, K, P] of its transpose (P the
 build's panel: 64 columns with AVX-512, 16 with AVX2), the layout the MoE experts use. The GEMM streams the
@@ -7,22 +7,28 @@ panels in order, two threads on halves of them, prefetching the next panel sprea
 reference Xeon: the bench dense model's 400 MB of weights in model order, 1 row 1.18-1.22x, 16 rows
 1.12-1.16x; at 64-1024 rows (one weight, in cache) 2-5% faster. Sums run in k order per
 output, in float32: not bitwise with F.linear (the oneDNN linear is not either), within the float32
-tolerance. ``prepack_linears`` takes it for float32 weights whose N is a multiple of the panel.
+tolerance. ``prepack_linears`` takes it for float32 weights whose N is a multiple of the panel, and for
+bfloat16 ones on a CPU without bf16 dot products (no AMX or AVX512-BF16: AMD Zen 3, where oneDNN cannot pack
+bfloat16 and F.linear runs it several times slower than float32). There the panels hold bfloat16, widened to
+float32 as they are read, x's rows are taken as float32, and each output rounds once, after the bias.
 """
 
 import torch
 import torch.nn.functional as F
 
 from . import fused
-from .moe_tiled import tiled_panel
+from .moe_tiled import tiled_panel, tiled_vnni
+
+_DTYPES = (torch.float32, torch.bfloat16)  # what the FMA GEMM reads (bfloat16 widened)
 
 
 def linear_tiled(x: torch.Tensor, w_panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, W, bias) for W packed by ``pack_linear``: x [..., K] float32 -> [..., N]. The fused CPU
-    kernel runs it where it takes the tensors (CPU, no autograd); otherwise W is unpacked (a copy)."""
+    """F.linear(x, W, bias) for W packed by ``pack_linear``: x [..., K] float32 or bfloat16 (W's dtype) ->
+    [..., N]. The fused CPU kernel runs it where it takes the tensors (CPU, no autograd); otherwise W is
+    unpacked (a copy)."""
     ext = fused.module()
-    if (ext is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and w_panels.shape[2] == tiled_panel(torch.float32)
+    if (ext is not None and x.device.type == "cpu" and x.dtype in _DTYPES and w_panels.dtype == x.dtype
+            and w_panels.shape[2] == int(ext.PANEL) > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or w_panels.requires_grad))):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         y = ext.linear_tiled(rows, w_panels, None if bias is None else bias.contiguous())
@@ -35,9 +41,12 @@ def linear_tiled_ref(x: torch.Tensor, w_panels: torch.Tensor, bias: torch.Tensor
     return F.linear(x, unpack_linear(w_panels), bias)
 
 
+
 def linear_tiles(n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether ``linear_tiled`` takes an [N, K] weight of ``dtype`` here: float32, N a multiple of the panel."""
-    p = tiled_panel(dtype) if dtype == torch.float32 else 0
+    """Whether ``linear_tiled`` takes an [N, K] weight of ``dtype`` here, N a multiple of the panel: float32,
+    and bfloat16 where the CPU has no bf16 dot product (no vnni layout: AMX and AVX512-BF16 CPUs keep oneDNN's
+    native bfloat16 linear)."""
+    p = tiled_panel(dtype) if dtype in _DTYPES and not tiled_vnni(dtype) else 0
     return p > 0 and n % p == 0 and k > 0
 
 

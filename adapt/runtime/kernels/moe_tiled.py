@@ -4,7 +4,8 @@
 
 Each expert's weights are packed once at load (``pack_tiled``): float32 in column panels for an FMA
 micro-kernel, bfloat16 in AMX tiles (read by AMX, or by AVX512-BF16's vdpbf16ps where
-the CPU has no AMX). One call groups the slots by expert (a counting sort), gathers each expert's rows,
+the CPU has no AMX), or, on a CPU with neither (AMD Zen 3, AVX2), in the float32 layout's panels, widened to
+float32 as the FMA micro-kernel reads them. One call groups the slots by expert (a counting sort), gathers each expert's rows,
 runs gate|up, SiLU-and-mul and down, and the weighted combine, with no torch op between them: on a CPU,
 each torch op between two weight GEMMs costs a fixed 15-25 us, and oneDNN re-packs stacked bfloat16
 weights on every call. Rounding follows the torch form: in bfloat16,
@@ -52,37 +53,47 @@ _DTYPES: dict = {}
 
 def tiled_panel(dtype: torch.dtype) -> int:
     """Columns per packed block of the tiled kernel for ``dtype`` on this build and host (0: it does not
-    run): float32 the FMA kernel's panel (64 with AVX-512, 16 with AVX2), bfloat16 16 (an AMX tile; the
-    AVX512-BF16 form reads the same layout). The installed module's, also inside fused.disabled(): the
-    torch form then unpacks the same layout."""
+    run): the FMA kernel's panel (64 with AVX-512, 16 with AVX2) for float32, and for bfloat16 where the CPU
+    has no bf16 dot product (the weights widened to float32 as they are read); 16 for bfloat16 in the vnni
+    layout (an AMX tile; the AVX512-BF16 form reads the same layout). The installed module's, also inside
+    fused.disabled(): the torch form then unpacks the same layout."""
     ext = fused.installed()
     if ext is None or dtype not in _dtypes(ext):
         return 0
-    return 16 if dtype == torch.bfloat16 else int(ext.PANEL)
+    return 16 if tiled_vnni(dtype) else int(ext.PANEL)
+
+
+def tiled_vnni(dtype: torch.dtype) -> bool:
+    """Whether the tiled kernel takes ``dtype`` in the vnni layout here: bfloat16 on a CPU with AMX (granted)
+    or AVX512-BF16. Elsewhere bfloat16 takes the float32 panels' layout and the FMA GEMM (AMD Zen 3, AVX2)."""
+    ext = fused.installed()
+    return (dtype == torch.bfloat16 and ext is not None and dtype in _dtypes(ext)
+            and ext.moe_tiled_bf16_gemm() in ("amx", "avx512_bf16"))
 
 
 def tiles(n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether the tiled kernel takes a [N, K] expert weight in ``dtype`` here: float32 N a multiple of the
-    panel; bfloat16 N and K multiples of 32 (the kernel takes two 16-column tiles at a time, a tile holds 32
-    values of k)."""
+    """Whether the tiled kernel takes a [N, K] expert weight in ``dtype`` here: in panels, N a multiple of
+    the panel; in the vnni layout, N and K multiples of 32 (the kernel takes two 16-column tiles at a time, a
+    tile holds 32 values of k)."""
     p = tiled_panel(dtype)
-    if dtype == torch.bfloat16:
+    if tiled_vnni(dtype):
         return p > 0 and n % 32 == 0 and k % 32 == 0
     return p > 0 and n % p == 0
 
 
-def pack_tiled(w: torch.Tensor, panel: int) -> torch.Tensor:
-    """Stacked expert weights [E, N, K] (any strides) -> the tiled kernel's layout: bfloat16 [E, N/16, K/32,
-    16, 32] (each [16, 32] block one AMX B tile: 16 pairs of k by 16 columns), float32 [E, N/panel, K,
-    panel] (column panels of the transposed weight). Packed expert by expert into the result, so that a
-    load holds one expert's temporary, not a second copy of the layer."""
+def pack_tiled(w: torch.Tensor, panel: int, vnni: bool | None = None) -> torch.Tensor:
+    """Stacked expert weights [E, N, K] (any strides) -> the tiled kernel's layout: vnni (bfloat16 only)
+    [E, N/16, K/32, 16, 32] (each [16, 32] block one AMX B tile: 16 pairs of k by 16 columns), or panels [E,
+    N/panel, K, panel] (column panels of the transposed weight). ``vnni``: None takes this host's form for
+    w's dtype (``tiled_vnni``). Packed expert by expert into the result, so that a load holds one expert's
+    temporary, not a second copy of the layer."""
     e, n, k = w.shape
-    bf = w.dtype == torch.bfloat16
-    out = torch.empty((e, n // 16, k // 32, 16, 32) if bf else (e, n // panel, k, panel), dtype=w.dtype,
+    vnni = tiled_vnni(w.dtype) if vnni is None else vnni
+    out = torch.empty((e, n // 16, k // 32, 16, 32) if vnni else (e, n // panel, k, panel), dtype=w.dtype,
                       device=w.device)
     for i in range(e):
         wi = w[i]
-        if bf:  # [nb, c, kb, r, q] -> [nb, kb, r, c, q]
+        if vnni:  # [nb, c, kb, r, q] -> [nb, kb, r, c, q]
             blocks = wi.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
             out[i].view(n // 16, k // 32, 16, 16, 2).copy_(blocks)
         else:  # [nb, c, k] -> [nb, k, c]

@@ -47,9 +47,9 @@ def slot_loader(module: nn.Module, attr: str, name: str, row: int | None = None,
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; or, on a weight :func:`prepack_linears` has packed, the tiled FMA GEMM (float32 column panels,
-    a 3-D weight) or oneDNN's linear (``weight.is_mkldnn``, its row count rounded up to a bucket,
+    a 3-D weight, float32 or bfloat16) or oneDNN's linear (``weight.is_mkldnn``, its row count rounded up to a bucket,
     ``bucket_rows``, so that new prefill lengths reuse compiled primitives)."""
-    if weight.dim() == 3:  # float32 column panels for the FMA GEMM (prepack_linears)
+    if weight.dim() == 3:  # column panels for the FMA GEMM (prepack_linears)
         return linear_tiled(x, weight, bias)
     if weight.is_mkldnn:
         rows = x.reshape(-1, x.shape[-1])
@@ -84,16 +84,17 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK_DTY
     the packed weight replaces the plain one, so memory does not grow. ``tiled``: MoE experts may take the
     fused CPU kernel's packed layout (not bitwise with F.linear: see MoE.pack_experts), and float32 linears
     whose N is a multiple of its panel take the same column panels (kernels/linear_tiled.py), faster than
-    oneDNN for decode."""
+    oneDNN for decode; so do bfloat16 ones on a CPU without bf16 dot products (AMD Zen 3), where oneDNN cannot
+    pack them."""
     from adapt.runtime.kernels.linear_tiled import linear_tiles, pack_linear
     from adapt.runtime.kernels.moe_experts import onednn_packs
     from adapt.runtime.kernels.moe_tiled import tiled_panel
 
-    dtypes = tuple(d for d in dtypes if onednn_packs(d))  # float16 packs only on CPUs with FP16 support
+    onednn = tuple(d for d in dtypes if onednn_packs(d))  # float16 packs only on CPUs with FP16 support
     n = 0
     for m in model.modules():
         if hasattr(m, "pack_experts"):  # stacked MoE experts: the module decides per dtype
-            n += m.pack_experts(dtypes, tiled)
+            n += m.pack_experts(onednn, tiled)
             continue
         w = getattr(m, "weight", None)
         if (not getattr(m, "packable", False) or not isinstance(w, torch.Tensor) or w.is_mkldnn
@@ -101,8 +102,10 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK_DTY
             continue
         if tiled and linear_tiles(w.shape[0], w.shape[1], w.dtype):
             m.weight = nn.Parameter(pack_linear(w, tiled_panel(w.dtype)), requires_grad=False)
-        else:
+        elif w.dtype in onednn:
             m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16), requires_grad=False)
+        else:
+            continue
         n += 1
     return n
 

@@ -1,6 +1,6 @@
-"""The float32 linear on column panels (csrc/moe_gemm.h linear_tiled) against its twin and F.linear: row
-tails and chunks, odd K, bias, batched inputs, thread counts, the torch fallback, packing round trips, and
-the model layer that takes it."""
+"""The linear on column panels (csrc/moe_gemm.h linear_tiled) against its twin and F.linear: float32 and
+bfloat16 (widened as it is read), row tails and chunks, odd K, bias, batched inputs, thread counts, the
+torch fallback, packing round trips, and the model layers that take it."""
 
 import pytest
 import torch
@@ -10,9 +10,9 @@ from adapt.runtime import cpu_kernels
 from adapt.runtime.kernels import fused
 from adapt.runtime.kernels.linear_tiled import (linear_tiled, linear_tiled_ref, linear_tiles, pack_linear,
                                                 unpack_linear)
-from adapt.runtime.kernels.moe_tiled import tiled_panel
+from adapt.runtime.kernels.moe_tiled import tiled_panel, tiled_vnni
 
-from ._tol import assert_fp32_close
+from ._tol import assert_fp32_close, assert_lowp_close
 
 
 def _need():
@@ -72,7 +72,36 @@ def test_pack_round_trip_and_what_tiles():
     if tiled_panel(torch.float32):
         q = tiled_panel(torch.float32)
         assert linear_tiles(2 * q, 7, torch.float32) and not linear_tiles(2 * q + 1, 7, torch.float32)
-    assert not linear_tiles(128, 64, torch.bfloat16) and not linear_tiles(128, 64, torch.float16)
+    # bfloat16 where the CPU has no bf16 dot product (oneDNN's native bf16 linear elsewhere); never float16
+    assert linear_tiles(128, 64, torch.bfloat16) == (tiled_panel(torch.bfloat16) > 0 and not tiled_vnni(torch.bfloat16))
+    assert not linear_tiles(128, 64, torch.float16)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 300])
+@pytest.mark.parametrize("k", [3, 100, 768])
+def test_bfloat16_linear_tiled_within_2x_of_f_linear(m, k):
+    # every host with a vector layer runs bfloat16 panels (prepack takes them where oneDNN has no bf16 dot
+    # product): one rounding after the float32 sum and the bias
+    _need()
+    p = tiled_panel(torch.float32)
+    for n, bias in ((p, "bf16"), (3 * p, None), (2 * p, "f32")):
+        x, w, b = _case(m, k, n, seed=m * 1000 + k + 7, bias=bias is not None)
+        x, w = x.bfloat16(), w.bfloat16()
+        b = None if b is None else b.bfloat16() if bias == "bf16" else b.bfloat16().float()
+        wp = pack_linear(w, p)
+        y = linear_tiled(x, wp, b)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        ref32 = F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert_lowp_close(y, F.linear(x, w, None if b is None else b.bfloat16()), ref32, f"bf16 m={m} k={k} n={n}")
+        assert_lowp_close(linear_tiled_ref(x, wp, None if b is None else b.bfloat16()), F.linear(
+            x, w, None if b is None else b.bfloat16()), ref32, "twin")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear_tiled(x, wp, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, y)
 
 
 def test_kernel_refuses_what_it_does_not_take():
@@ -87,6 +116,10 @@ def test_kernel_refuses_what_it_does_not_take():
         ext.linear_tiled(x[:, :16].contiguous(), wp, None)  # K mismatch
     with pytest.raises(RuntimeError, match="linear_tiled"):
         ext.linear_tiled(x, wp, torch.zeros(p + 1))
+    with pytest.raises(RuntimeError, match="linear_tiled"):
+        ext.linear_tiled(x.bfloat16(), wp, None)  # x and W of different dtypes
+    with pytest.raises(RuntimeError, match="linear_tiled"):
+        ext.linear_tiled(x.bfloat16(), wp.bfloat16(), torch.zeros(p, dtype=torch.float16))
 
 
 def test_prepacked_float32_layers_take_it_and_keep_their_outputs():
@@ -104,3 +137,17 @@ def test_prepacked_float32_layers_take_it_and_keep_their_outputs():
     assert layer.weight.dim() == 3 and not odd.weight.dim() == 3  # the odd one: oneDNN's layout or plain
     assert_fp32_close(linear(x, layer.weight), want, "tiled layer")
     assert_fp32_close(linear(x, odd.weight), want_odd, "odd layer")
+
+
+def test_prepacked_bfloat16_layers_take_it_where_the_cpu_has_no_bf16_dot_product():
+    _need()
+    from adapt.runtime.models.layers import Linear, linear, prepack_linears
+
+    n = 2 * tiled_panel(torch.float32)
+    layer = Linear("l", 96, n, dtype=torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    x = torch.randn(5, 96).bfloat16()
+    want, w = F.linear(x, layer.weight), layer.weight.detach().clone()
+    prepack_linears(torch.nn.ModuleList([layer]), tiled=True)
+    assert (layer.weight.dim() == 3) == linear_tiles(n, 96, torch.bfloat16)
+    assert_lowp_close(linear(x, layer.weight), want, F.linear(x.float(), w.float()), "bf16 layer")

@@ -1,7 +1,8 @@
 """The fused tiled MoE kernel (csrc/moe_gemm.h, moe_experts_tiled) against its twin: float32 (the FMA
-kernel), bfloat16 (AMX or AVX512-BF16, where the host has one; `pytest -m slow` also builds the latter
-on an AMX host), packing round trips, row tails and chunks, expert
-parallelism, thread counts, the torch fallback, and inputs it refuses."""
+kernel), bfloat16 (AMX or AVX512-BF16 on vnni-packed weights, where the host has one; `pytest -m slow` also
+builds the latter on an AMX host; and on every host with a vector layer, the FMA kernel on bfloat16 panels
+widened as they are read), packing round trips, row tails and chunks, expert parallelism, thread counts, the
+torch fallback, and inputs it refuses."""
 
 import pytest
 import torch
@@ -9,8 +10,8 @@ import torch
 from adapt.runtime import cpu_kernels
 from adapt.runtime.kernels import fused
 from adapt.runtime.kernels.moe_experts import moe_experts_ref
-from adapt.runtime.kernels.moe_tiled import (moe_experts_tiled, moe_experts_tiled_ref, pack_tiled, tiled_panel, tiles,
-                                             unpack_tiled)
+from adapt.runtime.kernels.moe_tiled import (moe_experts_tiled, moe_experts_tiled_ref, pack_tiled, tiled_panel,
+                                             tiled_vnni, tiles, unpack_tiled)
 
 from ._tol import assert_fp32_close, assert_lowp_close
 
@@ -32,20 +33,22 @@ def _need(dtype):
     if cpu_kernels.load() is None:
         pytest.skip(f"fused CPU kernels {cpu_kernels.status()}")
     if not tiles(64, 64, dtype):
-        pytest.skip(f"the tiled MoE kernel does not run {dtype} on this host (bfloat16 needs AMX or AVX512-BF16)")
+        pytest.skip(f"the tiled MoE kernel does not run {dtype} on this host (no vector layer in this build)")
 
 
-def _packed(wgu, wd):
-    p = tiled_panel(wgu.dtype)
-    return pack_tiled(wgu, p), pack_tiled(wd, p)
+def _packed(wgu, wd, vnni=None):
+    """Packed in this host's form (vnni None), or in the one asked: vnni False is the panel form."""
+    p = tiled_panel(wgu.dtype) if vnni is None else 16 if vnni else int(fused.installed().PANEL)
+    return pack_tiled(wgu, p, vnni), pack_tiled(wd, p, vnni)
 
 
-@pytest.mark.parametrize("dtype,panel", [(torch.float32, 16), (torch.float32, 32), (torch.bfloat16, 16)])
-def test_pack_and_unpack_are_inverse_and_lay_out_tiles(dtype, panel):
+@pytest.mark.parametrize("dtype,panel,vnni", [(torch.float32, 16, False), (torch.float32, 32, False),
+                                              (torch.bfloat16, 16, True), (torch.bfloat16, 16, False)])
+def test_pack_and_unpack_are_inverse_and_lay_out_tiles(dtype, panel, vnni):
     w = torch.randn(3, 64, 96).to(dtype)
-    p = pack_tiled(w, panel)
+    p = pack_tiled(w, panel, vnni)
     assert torch.equal(unpack_tiled(p), w)
-    if dtype == torch.bfloat16:  # one AMX B tile: row r holds the k pairs (2r, 2r + 1) of 16 columns
+    if vnni:  # one AMX B tile: row r holds the k pairs (2r, 2r + 1) of 16 columns
         assert p.shape == (3, 4, 3, 16, 32)
         assert p[1, 2, 1, 5, 2 * 7 + 1] == w[1, 2 * 16 + 7, 32 + 2 * 5 + 1]
     else:  # a column panel of the transposed weight
@@ -75,6 +78,33 @@ def test_bfloat16_within_2x_of_torch(t, h, inter, e, k):
     assert out.dtype == torch.bfloat16
     ref32 = moe_experts_tiled_ref(x.float(), w.float(), ids, pg.float(), pd.float())
     assert_lowp_close(out, moe_experts_tiled_ref(x, w, ids, pg, pd), ref32, "tiled moe bf16")
+
+
+@pytest.mark.parametrize("t,h,inter,e,k", [(1, 64, 32, 8, 2), (29, 64, 32, 6, 2), (70, 96, 64, 5, 3),
+                                           (300, 128, 96, 4, 2)])
+def test_bfloat16_panels_on_the_fma_kernel_within_2x_of_torch(t, h, inter, e, k):
+    # the form a CPU without bf16 dot products runs (AMD Zen 3); every host with a vector layer can run it:
+    # bfloat16 weights widened to float32 as they are read, the torch form's roundings
+    _need(torch.float32)
+    x, w, ids, wgu, wd = _case(t, h, inter, e, k, seed=t + 1, dtype=torch.bfloat16)
+    pg, pd = _packed(wgu, wd, vnni=False)
+    assert pg.dim() == 4 and pg.dtype == torch.bfloat16
+    out = moe_experts_tiled(x, w, ids, pg, pd)
+    assert out.dtype == torch.bfloat16 and out.shape == (t, h)
+    ref32 = moe_experts_tiled_ref(x.float(), w.float(), ids, pg.float(), pd.float())
+    assert_lowp_close(out, moe_experts_tiled_ref(x, w, ids, pg, pd), ref32, "tiled moe bf16 panels")
+
+
+def test_the_host_form_of_bfloat16():
+    # vnni where the CPU has a bf16 dot product (AMX granted, AVX512-BF16), else the FMA kernel's panels
+    _need(torch.float32)
+    ext = fused.installed()
+    vnni = ext.moe_tiled_bf16_gemm() in ("amx", "avx512_bf16")
+    assert tiled_vnni(torch.bfloat16) == vnni and not tiled_vnni(torch.float32)
+    assert tiled_panel(torch.bfloat16) == (16 if vnni else tiled_panel(torch.float32))
+    assert ext.moe_tiled_bf16_gemm() in ("amx", "avx512_bf16", "fma")
+    assert _packed(torch.zeros(2, 64, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 32, dtype=torch.bfloat16))[0].dim() \
+        == (5 if vnni else 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,12 +139,13 @@ def test_expert_parallel_ranks_sum_to_the_full_output(dtype):
     assert torch.equal(none, torch.zeros_like(none))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_and_two_threads_give_the_same_bits(dtype):
-    # a row is computed by one thread whatever the split, and the combine's order is fixed
-    _need(dtype)
+@pytest.mark.parametrize("dtype,vnni", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, False)])
+def test_one_and_two_threads_give_the_same_bits(dtype, vnni):
+    # a row is computed by one thread whatever the split, and the combine's order is fixed (vnni None: the
+    # host's form; False: bfloat16 panels on the FMA kernel)
+    _need(dtype if vnni is None else torch.float32)
     x, w, ids, wgu, wd = _case(200, 64, 32, 8, 2, seed=6, dtype=dtype)
-    pg, pd = _packed(wgu, wd)
+    pg, pd = _packed(wgu, wd, vnni)
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -148,6 +179,11 @@ def test_bad_inputs_are_errors_not_reads_out_of_bounds():
         ext.moe_experts_tiled(x, ids, w.float(), pg, pd[:2], 0)  # expert counts differ
     with pytest.raises(RuntimeError, match="moe_experts_tiled"):
         ext.moe_experts_tiled(x, ids, w.float(), wgu, wd, 0)  # not packed
+    with pytest.raises(RuntimeError, match="moe_experts_tiled"):
+        ext.moe_experts_tiled(x.bfloat16(), ids, w.float(), pg, pd, 0)  # weights of another dtype
+    vg, vd = (pack_tiled(t.bfloat16(), 16, vnni=True) for t in (wgu, wd))
+    with pytest.raises(RuntimeError, match="moe_experts_tiled"):
+        ext.moe_experts_tiled(x.bfloat16(), ids, w.float(), vg, pg.bfloat16(), 0)  # two layouts
     # ids outside this rank's experts (negative ones included) are slots served elsewhere: they add nothing
     bad = ids.clone()
     bad[0, 0] = -3

@@ -130,11 +130,13 @@ constexpr int FMA_NV = ADAPT_FMA_NV;
 constexpr int FMA_MR = ADAPT_FMA_MR;
 constexpr int64_t FMA_NR = FMA_NV * VW;  // columns per packed panel
 
-// rows of C [MR, FMA_NR] (row stride ldc) = A [MR, K] (row stride K) @ one packed panel b [K, FMA_NR]: FMA
-// accumulation in k order, in registers. pf, pf_lines: this block's share of the next panel (64-byte lines),
-// pulled into L2 evenly as k advances.
-template <int MR>
-inline void fma_block(const float* A, int64_t K, const float* b, float* C, int64_t ldc, const float* pf,
+// rows of C [MR, FMA_NR] (row stride ldc) = A [MR, K] (row stride K) @ one packed panel b [K, FMA_NR] (+ bias
+// [FMA_NR]): FMA accumulation in k order, in registers, in float32. W: the panel's element type, float32 or
+// bfloat16 (widened to float32 as it is loaded: a CPU without bf16 dot products reads half the bytes and runs
+// the float32 FMAs). O: C's, float32 or bfloat16 (rounded to nearest even once, after the bias). pf, pf_lines:
+// this block's share of the next panel (64-byte lines), pulled into L2 evenly as k advances.
+template <int MR, typename W, typename O>
+inline void fma_block(const float* A, int64_t K, const W* b, O* C, int64_t ldc, const float* bias, const W* pf,
                       int64_t pf_lines) {
   vf c[MR][FMA_NV];
   for (int r = 0; r < MR; ++r)
@@ -152,7 +154,7 @@ inline void fma_block(const float* A, int64_t K, const float* b, float* C, int64
 #pragma GCC unroll 4
     for (int64_t kk = k; kk < k + 4; ++kk) {
       vf v[FMA_NV];
-      for (int j = 0; j < FMA_NV; ++j) v[j] = vloadu(b + kk * FMA_NR + j * VW);
+      for (int j = 0; j < FMA_NV; ++j) v[j] = vload(b + kk * FMA_NR + j * VW);
       for (int r = 0; r < MR; ++r) {
         const vf av = vset1(A[r * K + kk]);
         for (int j = 0; j < FMA_NV; ++j) c[r][j] = vfma(av, v[j], c[r][j]);
@@ -162,50 +164,59 @@ inline void fma_block(const float* A, int64_t K, const float* b, float* C, int64
   for (; k < K; ++k) {  // the last K % 4 steps
     for (due += pf_lines; due >= K; due -= K, pq += 64) _mm_prefetch(pq, _MM_HINT_T1);
     vf v[FMA_NV];
-    for (int j = 0; j < FMA_NV; ++j) v[j] = vloadu(b + k * FMA_NR + j * VW);
+    for (int j = 0; j < FMA_NV; ++j) v[j] = vload(b + k * FMA_NR + j * VW);
     for (int r = 0; r < MR; ++r) {
       const vf av = vset1(A[r * K + k]);
       for (int j = 0; j < FMA_NV; ++j) c[r][j] = vfma(av, v[j], c[r][j]);
     }
   }
+  if (bias)
+    for (int j = 0; j < FMA_NV; ++j) {
+      const vf bv = vloadu(bias + j * VW);
+      for (int r = 0; r < MR; ++r) c[r][j] = vadd(c[r][j], bv);
+    }
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < FMA_NV; ++j) vstoreu(C + r * ldc + j * VW, c[r][j]);
+    for (int j = 0; j < FMA_NV; ++j) vstore(C + r * ldc + j * VW, c[r][j]);
 }
 
 
-// C [M, N] float32 = A [M, K] float32 (row stride K) @ B^T, B panel-packed [N / FMA_NR, K, FMA_NR].
-// Panels outer, so that one (K x FMA_NR floats) stays in L2 while the row blocks stream past it; the row
-// blocks of a panel share out the prefetch of the next one.
-inline void fma_gemm(const float* A, int64_t M, int64_t K, const float* B, int64_t N, float* C, int64_t ldc,
-                     const float* next = nullptr, int64_t next_k = 0) {
-  const int64_t blocks = (M + FMA_MR - 1) / FMA_MR, lines = K * FMA_NR / 16;  // 64-byte lines of a panel
+// C [M, N] (float32 or bfloat16) = A [M, K] float32 (row stride K) @ B^T (+ bias [N]), B panel-packed [N /
+// FMA_NR, K, FMA_NR] of W (float32, or bfloat16 widened as it is read). Panels outer, so that one (K x FMA_NR)
+// stays in L2 while the row blocks stream past it; the row blocks of a panel share out the prefetch of the
+// next one.
+template <typename W, typename O>
+inline void fma_gemm(const float* A, int64_t M, int64_t K, const W* B, int64_t N, O* C, int64_t ldc,
+                     const W* next = nullptr, int64_t next_k = 0, const float* bias = nullptr) {
+  constexpr int64_t per_line = 64 / sizeof(W);  // panel elements per 64-byte line
+  const int64_t blocks = (M + FMA_MR - 1) / FMA_MR, lines = K * FMA_NR / per_line;  // 64-byte lines of a panel
   // the next panel's prefetch, shared out between this panel's row blocks and spread evenly over each one's k
   // loop: 512 tokens, float32, 32 experts of 2I = 512, H = 512: 7.3-8.5 -> 6.4-7.0 ms against the whole panel
   // in the first row block (4 lines a step); 16 tokens (one row block) the same; 64 tokens 4%, 2048 4.5% faster
   for (int64_t n0 = 0; n0 < N; n0 += FMA_NR) {
-    const float* b = B + n0 * K;
+    const W* b = B + n0 * K;
     const bool last = n0 + FMA_NR >= N;
     // the last panel prefetches the first of the GEMM that follows (``next``, of depth next_k), if any: 1.5-3.5%
     // at 16 and 512 tokens (A/B in one process); two or more panels ahead was slower (3-8% at 512 tokens)
-    const float* pf = !last ? b + K * FMA_NR : next;
-    const int64_t pf_all = !last ? lines : next_k * FMA_NR / 16;
+    const W* pf = !last ? b + K * FMA_NR : next;
+    const int64_t pf_all = !last ? lines : next_k * FMA_NR / per_line;
     const int64_t pf_per = (pf_all + blocks - 1) / blocks;
-    auto share = [&](int64_t rb, const float*& q) {
+    const float* bn = bias ? bias + n0 : nullptr;
+    auto share = [&](int64_t rb, const W*& q) {
       const int64_t first = rb * pf_per;
-      q = pf ? pf + first * 16 : nullptr;
+      q = pf ? pf + first * per_line : nullptr;
       return pf ? std::max<int64_t>(0, std::min(pf_per, pf_all - first)) : 0;
     };
     int64_t m0 = 0, rb = 0;
     for (; m0 + FMA_MR <= M; m0 += FMA_MR, ++rb) {
-      const float* q;
+      const W* q;
       const int64_t nl = share(rb, q);
-      fma_block<FMA_MR>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, q, nl);
+      fma_block<FMA_MR>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, bn, q, nl);
     }
     if (m0 < M) {
-      const float* q;
+      const W* q;
       const int64_t nl = share(rb, q);
       with_rows<FMA_MR - 1>(M - m0, [&](auto r) {
-        fma_block<decltype(r)::value>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, q, nl);
+        fma_block<decltype(r)::value>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, bn, q, nl);
       });
     }
   }
@@ -278,59 +289,82 @@ inline void bf16_gemm(int kind, const bf16* A, int64_t M, int64_t K, const bf16*
   TORCH_CHECK(false, "moe_experts_tiled: no bfloat16 GEMM in this build");
 }
 
-// Which dtypes moe_experts_tiled runs on this build and host: float32 with a vector layer, bfloat16 with
-// AMX (compiled in and granted by the kernel) or AVX512-BF16.
+// Which dtypes moe_experts_tiled runs on this build and host: float32 with a vector layer; bfloat16 with AMX
+// (compiled in and granted by the kernel) or AVX512-BF16 on vnni-packed weights, else with a vector layer on
+// panel-packed weights, widened to float32 as they are read ("fma": AMD Zen 3, AVX2-only CPUs).
 inline std::vector<std::string> moe_tiled_dtypes() {
   std::vector<std::string> out;
 #ifdef ADAPT_VW
   out.push_back("float32");
-#endif
+  out.push_back("bfloat16");
+#else
   if (bf16_gemm_kind() > 0) out.push_back("bfloat16");
+#endif
   return out;
 }
 
-// the bfloat16 GEMM the tiled kernel runs here: "amx", "avx512_bf16" or "none"
+// the bfloat16 GEMM the tiled kernel and linear_tiled run here: "amx", "avx512_bf16" (both on vnni-packed
+// weights), "fma" (panel-packed weights widened to float32) or "none"
 inline std::string moe_tiled_bf16_gemm() {
   const int k = bf16_gemm_kind();
+#ifdef ADAPT_VW
+  if (k == 0) return "fma";
+#endif
   return k == 2 ? "amx" : k == 1 ? "avx512_bf16" : "none";
 }
 
-// y [M, N] = x [M, K] @ W^T (+ bias), float32, W packed in the experts' column panels [N / FMA_NR, K, FMA_NR]:
-// a dense linear on the same FMA GEMM. Each thread takes a contiguous range of panels and runs every row
-// against it, in row chunks of about 8 MB of x. On
-// this 2-core Xeon, float32, the bench dense model's 49 weights (400 MB) streamed in model order: 1 row
-// 17.5-18.5 -> 14.3-15.7 ms, 16 rows 27.3-27.6 -> 23.8-24.3 ms against oneDNN's packed linear.
+// the float value T stores for f, kept in A: T itself (rounded), or a float holding T's rounding (bfloat16
+// values widened for the FMA GEMM)
+template <typename A, typename T>
+inline A stored_as(float f) {
+  if constexpr (std::is_same_v<A, T>) return from_f32<T>(f);
+  else return rnd<T>(f);
+}
+#ifdef ADAPT_VW
+template <typename A, typename T>
+inline void vstored_as(A* p, vf v) {
+  if constexpr (std::is_same_v<A, T>) vstore(p, v);
+  else vstoreu(p, vrnd<T>(v));
+}
+#endif
+
+// y [M, N] = x [M, K] @ W^T (+ bias), float32 or bfloat16, W packed in the experts' column panels [N / FMA_NR,
+// K, FMA_NR] of x's dtype (bfloat16 widened as it is read, x's rows taken as float32, one rounding at the end;
+// bias float32). Each thread takes a contiguous range of panels and runs every row against it, in row chunks of
+// about 8 MB of x. On this 2-core Xeon, float32, the bench dense model's 49 weights (400 MB) streamed in model
+// order: 1 row 17.5-18.5 -> 14.3-15.7 ms, 16 rows 27.3-27.6 -> 23.8-24.3 ms against oneDNN's packed linear.
 torch::Tensor linear_tiled(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
 #ifdef ADAPT_VW
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && w.dim() == 3 &&
-                  w.is_contiguous() && w.scalar_type() == at::kFloat && w.size(2) == FMA_NR && w.size(1) == x.size(1),
-              "linear_tiled: contiguous float32 x [M, K] and a panel-packed weight [N / ", FMA_NR, ", K, ", FMA_NR, "]");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  w.dim() == 3 && w.is_contiguous() && w.scalar_type() == x.scalar_type() && w.size(2) == FMA_NR &&
+                  w.size(1) == x.size(1),
+              "linear_tiled: contiguous float32 or bfloat16 x [M, K] and a panel-packed weight [N / ", FMA_NR, ", K, ",
+              FMA_NR, "] of its dtype");
   const int64_t M = x.size(0), K = x.size(1), P = w.size(0), N = P * FMA_NR;
-  const float* bp = nullptr;
+  torch::Tensor bf;  // the bias as float32: added to the float32 sums before the one rounding
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "linear_tiled: a contiguous float32 bias of N values");
-    bp = bias->data_ptr<float>();
+    TORCH_CHECK((bias->scalar_type() == at::kFloat || bias->scalar_type() == x.scalar_type()) && bias->numel() == N,
+                "linear_tiled: a bias of N values, float32 or x's dtype");
+    bf = bias->to(at::kFloat).contiguous();
   }
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const float* A = x.data_ptr<float>();
-  const float* B = w.data_ptr<float>();
-  float* C = y.data_ptr<float>();
+  const auto xf = x.to(at::kFloat);  // the GEMM's A is float32 (x itself when it is)
+  const float* A = xf.data_ptr<float>();
   // rows per pass over the weight: as many as keep x's chunk near 8 MB (L3), so that a prefill streams each
   // weight from memory once or a few times (256-row chunks: 4x256-token prefill 10% slower than oneDNN)
   const int64_t MC = std::max<int64_t>(256, std::min<int64_t>(4096, (8 << 20) / (4 * std::max<int64_t>(K, 1))));
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t c0 = p0 * FMA_NR, cols = (p1 - p0) * FMA_NR;
-    for (int64_t r0 = 0; r0 < M; r0 += MC) {
-      const int64_t rows = std::min<int64_t>(MC, M - r0);
-      fma_gemm(A + r0 * K, rows, K, B + p0 * K * FMA_NR, cols, C + r0 * N + c0, N);
-      if (bp)
-        for (int64_t r = r0; r < r0 + rows; ++r) {
-          float* c = C + r * N + c0;
-          for (int64_t j = 0; j < cols; j += VW) vstoreu(c + j, vadd(vloadu(c + j), vloadu(bp + c0 + j)));
-        }
-    }
+  float_or_bf16(x, "linear_tiled", [&](auto tag) {
+    using X = decltype(tag);
+    const X* B = w.data_ptr<X>();
+    X* C = y.data_ptr<X>();
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      const int64_t c0 = p0 * FMA_NR, cols = (p1 - p0) * FMA_NR;
+      for (int64_t r0 = 0; r0 < M; r0 += MC)
+        fma_gemm(A + r0 * K, std::min<int64_t>(MC, M - r0), K, B + p0 * K * FMA_NR, cols, C + r0 * N + c0, N,
+                 static_cast<const X*>(nullptr), 0, bp ? bp + c0 : nullptr);
+    });
   });
   return y;
 #else
@@ -340,9 +374,10 @@ torch::Tensor linear_tiled(torch::Tensor x, torch::Tensor w, c10::optional<torch
 
 // out [T, H] = sum over k with a local expert of w[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, k]
 // - expert_offset, for x [T, H] (float32 / bfloat16), int64 ids [T, K], float32 w [T, K] and the packed
-// gate|up [E, 2I, H] and down [E, H, I] (see above). Rounding as the torch form of the loop: in bfloat16
-// gate|up and down round to bfloat16 after their float32 accumulation, silu rounds, then the product; the
-// combine sums in float32 in k order and rounds once. Slots of experts held elsewhere add nothing.
+// gate|up [E, 2I, H] and down [E, H, I] (see above; bfloat16 in either layout: vnni for AMX / AVX512-BF16,
+// panels for the FMA GEMM). Rounding as the torch form of the loop: in bfloat16 gate|up and down round to
+// bfloat16 after their float32 accumulation, silu rounds, then the product; the combine sums in float32 in k
+// order and rounds once. Slots of experts held elsewhere add nothing.
 torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tensor w, torch::Tensor wgu,
                                 torch::Tensor wd, int64_t expert_offset) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && ids.dim() == 2 && ids.scalar_type() == at::kLong &&
@@ -350,24 +385,25 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
                   w.sizes() == ids.sizes() && ids.size(0) == x.size(0),
               "moe_experts_tiled: contiguous x [T, H], int64 ids [T, K] and float32 weights [T, K]");
   TORCH_CHECK(wgu.scalar_type() == x.scalar_type() && wd.scalar_type() == x.scalar_type() && wgu.is_contiguous() &&
-                  wd.is_contiguous() && wgu.size(0) == wd.size(0),
-              "moe_experts_tiled: packed weights of x's dtype");
+                  wd.is_contiguous() && wgu.size(0) == wd.size(0) && wgu.dim() == wd.dim(),
+              "moe_experts_tiled: packed weights of x's dtype, both in one layout");
   const bool lowp = x.scalar_type() == at::kBFloat16;
+  const bool vnni = lowp && wgu.dim() == 5;  // bf16 on AMX / AVX512-BF16; else the FMA GEMM on panels
   const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), E = wgu.size(0), S = T * K;
   int64_t N1, K1, N2, K2, cols;  // cols: the kernel's column block
-  if (lowp) {
-    TORCH_CHECK(bf16_gemm_kind() > 0, "moe_experts_tiled: bfloat16 needs AMX (granted) or AVX512-BF16");
-    TORCH_CHECK(wgu.dim() == 5 && wd.dim() == 5 && wgu.size(3) == 16 && wgu.size(4) == 32 && wd.size(3) == 16 &&
-                    wd.size(4) == 32, "moe_experts_tiled: bfloat16 weights vnni-packed [E, N/16, K/32, 16, 32]");
+  if (vnni) {
+    TORCH_CHECK(bf16_gemm_kind() > 0, "moe_experts_tiled: vnni-packed bfloat16 needs AMX (granted) or AVX512-BF16");
+    TORCH_CHECK(wgu.size(3) == 16 && wgu.size(4) == 32 && wd.size(3) == 16 && wd.size(4) == 32,
+                "moe_experts_tiled: bfloat16 weights vnni-packed [E, N/16, K/32, 16, 32]");
     N1 = wgu.size(1) * 16, K1 = wgu.size(2) * 32, N2 = wd.size(1) * 16, K2 = wd.size(2) * 32, cols = 32;
   } else {
 #ifdef ADAPT_VW
-    TORCH_CHECK(x.scalar_type() == at::kFloat && wgu.dim() == 4 && wd.dim() == 4 && wgu.size(3) == FMA_NR &&
+    TORCH_CHECK((x.scalar_type() == at::kFloat || lowp) && wgu.dim() == 4 && wgu.size(3) == FMA_NR &&
                     wd.size(3) == FMA_NR,
-                "moe_experts_tiled: float32 weights panel-packed [E, N/P, K, P], P = ", FMA_NR);
+                "moe_experts_tiled: weights panel-packed [E, N/P, K, P], P = ", FMA_NR);
     N1 = wgu.size(1) * FMA_NR, K1 = wgu.size(2), N2 = wd.size(1) * FMA_NR, K2 = wd.size(2), cols = FMA_NR;
 #else
-    TORCH_CHECK(false, "moe_experts_tiled: float32 needs a vector layer, not in this build");
+    TORCH_CHECK(false, "moe_experts_tiled: panel-packed weights need a vector layer, not in this build");
 #endif
   }
   const int64_t I = N1 / 2;
@@ -393,7 +429,7 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
   // tasks: row chunks of one expert, at most MC rows, so that the buffers stay near L2 and two threads share
   // a busy expert. A chunk streams its expert's weights once, so MC is at least 64 rows (DeepSeek-V3's
   // experts: 64 rows, 4 MB of buffers per thread); an expert's rows split evenly between its chunks.
-  const int64_t per_row = (H + I) * (lowp ? 2 : 4) + (N1 + H) * 4;
+  const int64_t per_row = (H + I) * (vnni ? 2 : 4) + (N1 + H) * 4;
   const int64_t MC = std::max<int64_t>(64, std::min<int64_t>(256, ((1 << 20) / per_row) / 32 * 32));
   struct Task {
     int64_t e, r0, n;
@@ -414,37 +450,40 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
   auto ys = torch::empty({R, H}, x.options());
   auto out = torch::empty({T, H}, x.options());
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (int64_t)tasks.size()));
-  const int kind = lowp ? bf16_gemm_kind() : 0;
-  float_or_bf16(x, "moe_experts_tiled", [&](auto tag) {
-    using X = decltype(tag);
+  const int kind = vnni ? bf16_gemm_kind() : 0;
+  // X: x's and the weights' dtype; A: the GEMMs' A operand (X, or float32 for the FMA GEMM on bfloat16 panels)
+  auto run = [&](auto xtag, auto atag) {
+    using X = decltype(xtag);
+    using A = decltype(atag);
+    constexpr bool direct = std::is_same_v<A, float>;  // the FMA GEMM: down writes the expert rows itself
     const X* xp = x.data_ptr<X>();
     X* yp = ys.data_ptr<X>();
     const X* gup = wgu.data_ptr<X>();
     const X* dp = wd.data_ptr<X>();
-    // C [M, N] float32 (row stride N) = A [M, K] @ packed B^T, by this dtype's GEMM
-    auto gemm = [kind](const X* A, int64_t M, int64_t Kd, const X* B, int64_t N, float* C, const X* next,
+    // C [M, N] (row stride N) = A [M, K] @ packed B^T, by this layout's GEMM
+    auto gemm = [kind](const A* a, int64_t M, int64_t Kd, const X* B, int64_t N, auto* C, const X* next,
                        int64_t next_k) {
-      if constexpr (std::is_same_v<X, bf16>) {
-        bf16_gemm(kind, A, M, Kd, B, N, C, N);
-      } else {
+      if constexpr (direct) {
 #ifdef ADAPT_VW
-        fma_gemm(A, M, Kd, B, N, C, N, next, next_k);
+        fma_gemm(a, M, Kd, B, N, C, N, next, next_k);
 #endif
+      } else {
+        bf16_gemm(kind, a, M, Kd, B, N, C, N);
       }
     };
     at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t ti = i0; ti < i1; ++ti) {
-        const int64_t mp = lowp ? (MC + 15) / 16 * 16 : MC;
+        const int64_t mp = direct ? MC : (MC + 15) / 16 * 16;
         // uninitialized (every row read is written first; std::vector would zero ~1.5 MB per thread per call)
-        std::unique_ptr<X[]> xa_(new X[mp * H]), act_(new X[mp * I]);
-        // c2: bfloat16's down output before rounding (float32 writes the expert rows directly)
-        std::unique_ptr<float[]> c1_(new float[mp * N1]), c2_(lowp ? new float[mp * H] : nullptr);
-        X* const xa = xa_.get();
-        X* const act = act_.get();
+        std::unique_ptr<A[]> xa_(new A[mp * H]), act_(new A[mp * I]);
+        // c2: the vnni form's down output before rounding (the FMA GEMM writes the expert rows directly)
+        std::unique_ptr<float[]> c1_(new float[mp * N1]), c2_(direct ? nullptr : new float[mp * H]);
+        A* const xa = xa_.get();
+        A* const act = act_.get();
         float* const c1 = c1_.get();
         float* const c2 = c2_.get();
 #ifdef ADAPT_AMX
-        if constexpr (std::is_same_v<X, bf16>)
+        if constexpr (!direct)
           if (kind == 2) amx_config();
 #endif
         const int64_t ntasks = tasks.size();
@@ -452,38 +491,41 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
         // the next task's first
         for (int64_t j = next_task.fetch_add(1), jn; j < ntasks; j = jn) {
           const Task& tk = tasks[j];
-          const int64_t n = tk.n, m = lowp ? (n + 15) / 16 * 16 : n;
-          for (int64_t r = 0; r < n; ++r)
-            std::memcpy(xa + r * H, xp + (slot[tk.r0 + r] / K) * H, H * sizeof(X));
-          if (m > n) std::memset(static_cast<void*>(xa + n * H), 0, (m - n) * H * sizeof(X));
+          const int64_t n = tk.n, m = direct ? n : (n + 15) / 16 * 16;
+          for (int64_t r = 0; r < n; ++r) {
+            const X* src = xp + (slot[tk.r0 + r] / K) * H;
+            if constexpr (std::is_same_v<A, X>) std::memcpy(xa + r * H, src, H * sizeof(X));
+            else row_f32(src, xa + r * H, H, 1.f);  // bfloat16 widened (exact)
+          }
+          if (m > n) std::memset(static_cast<void*>(xa + n * H), 0, (m - n) * H * sizeof(A));
           const X* w1 = gup + tk.e * N1 * H;
           const X* w2 = dp + tk.e * H * I;
           gemm(xa, m, H, w1, N1, c1, w2, I);  // its last panel prefetches down's first
-          // act = T(silu(T(gate))) * T(up), rounded to T (the torch form's F.linear then silu_and_mul)
+          // act = T(silu(T(gate))) * T(up), rounded to X (the torch form's F.linear then silu_and_mul)
           for (int64_t r = 0; r < m; ++r) {
             const float* g = c1 + r * N1;
             const float* u = g + I;
-            X* o = act + r * I;
+            A* o = act + r * I;
             int64_t i = 0;
 #ifdef ADAPT_VW
             const vf one = vset1(1.f), zero = vzero();
             for (; i + VW <= I; i += VW) {
               const vf gv = vrnd<X>(vloadu(g + i));
               const vf s = vrnd<X>(vdiv(gv, vadd(one, vexp(vsub(zero, gv)))));
-              vstore(o + i, vmul(s, vrnd<X>(vloadu(u + i))));
+              vstored_as<A, X>(o + i, vmul(s, vrnd<X>(vloadu(u + i))));
             }
 #endif
             for (; i < I; ++i) {
               const float gv = rnd<X>(g[i]);
-              o[i] = from_f32<X>(rnd<X>(gv / (1.f + exp_f32(-gv))) * rnd<X>(u[i]));
+              o[i] = stored_as<A, X>(rnd<X>(gv / (1.f + exp_f32(-gv))) * rnd<X>(u[i]));
             }
           }
           // the next task's gate|up, for the prefetch of its first panel (nothing when it is the same expert's,
           // still in cache)
           jn = next_task.fetch_add(1);
           const X* w1_next = jn < ntasks && tasks[jn].e != tk.e ? gup + tasks[jn].e * N1 * H : nullptr;
-          if constexpr (std::is_same_v<X, float>) {
-            gemm(act, m, I, w2, H, yp + tk.r0 * H, w1_next, H);  // float32: straight into the expert rows (m == n)
+          if constexpr (direct) {
+            gemm(act, m, I, w2, H, yp + tk.r0 * H, w1_next, H);  // straight into the expert rows (m == n), rounded
           } else {
             gemm(act, m, I, w2, H, c2, w1_next, H);
             for (int64_t r = 0; r < n; ++r) {
@@ -498,14 +540,21 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
           }
         }
 #ifdef ADAPT_AMX
-        if constexpr (std::is_same_v<X, bf16>)
+        if constexpr (!direct)
           if (kind == 2) _tile_release();
 #endif
       }
     });
     // the combine: out[t] = sum over local k of w[t, k] * ys[pos], float32 in k order, rounded once
     combine_rows(static_cast<const X*>(yp), pos.data(), w.data_ptr<float>(), T, K, H, out.data_ptr<X>());
-  });
+  };
+  if (!lowp) {
+    run(float{}, float{});
+  } else if (vnni) {
+    run(bf16{}, bf16{});
+  } else {
+    run(bf16{}, float{});
+  }
   return out;
 }
 
