@@ -26,6 +26,7 @@ from adapt.plan import ParallelPlan
 from adapt.shard.checkpoint import Checkpoint, check_against_layout, open_checkpoint
 from adapt.shard.manifest import MANIFEST, Manifest, OutputFile, load_manifest
 from adapt.shard.fanout import Unit, run_unit
+from adapt.shard.iomode import direct_io, env_mode
 from adapt.shard.planner import DEFAULT_MAX_FILE_SIZE, plan_outputs
 from adapt.shard.transform import DTYPE_CHOICES, target_dtype
 from adapt.shard.source_hash import hashed_digest, recorded_digest
@@ -51,13 +52,14 @@ class ShardResult:
     bytes_total: int
     seconds: float
     workers: int = 1
+    io: str = ""  # how large files reached the device, and why (iomode.direct_io)
 
     def to_dict(self) -> dict:
         gbps = self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else 0.0
         return dict(out=str(self.out_dir), plan=self.manifest.plan["degrees"], world_size=self.manifest.world_size,
                     files=len(self.manifest.files), files_written=self.files_written, files_kept=self.files_kept,
                     bytes_written=self.bytes_written, bytes_total=self.bytes_total, seconds=round(self.seconds, 3),
-                    gb_per_s=round(gbps, 3), dtype=self.manifest.dtype, workers=self.workers)
+                    gb_per_s=round(gbps, 3), dtype=self.manifest.dtype, workers=self.workers, io=self.io)
 
 
 class Budget:
@@ -204,6 +206,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         raise ShardError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     if workers < 0:
         raise ShardError(f"--workers must be 0 (auto) or more, got {workers}")
+    env_mode()  # a bad ADAPT_SHARD_DIRECT is an error before OUT is touched
     cfg = read_config(Path(src_dir) / "config.json")
     spec = ModelSpec.from_hf_config(cfg, name=src_dir.name)
     layout = WeightLayout.from_spec(spec)
@@ -277,6 +280,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
                 k = known[f.path]
                 done[f.path] = replace(f, size=k["size"], sha256=k["sha256"])
                 tick(f.nbytes, total)
+    direct, io = direct_io(out, max((f.nbytes for f in files if f.path not in done), default=0))
     units = plan_units(ckpt, files, plan.world_size, workers or auto_workers(1 << 30),
                        set(ckpt.files) - set(src_entries))
     for u in units:
@@ -292,7 +296,8 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
 
     def work(u: Unit) -> None:
         digest = run_unit(ckpt, u, out, block=block, overlap=workers < usable_cores(), acquire=budget.acquire,
-                          release=budget.release, on_bytes=lambda n: tick(n, total), on_file=on_file, sleep=sleep)
+                          release=budget.release, on_bytes=lambda n: tick(n, total), on_file=on_file, sleep=sleep,
+                          direct=direct)
         if digest is not None:
             entry = dict(name=u.source_file, **hashed_digest(src_stat[u.source_file], digest))
             journal.add(dict(entry, source=u.source_file))
@@ -314,7 +319,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         mf.write(manifest.to_json().encode())
     (out / JOURNAL).unlink(missing_ok=True)
     return ShardResult(out, manifest, written[0], len(files) - written[0], written[1], total,
-                       time.perf_counter() - t0, workers)
+                       time.perf_counter() - t0, workers, io)
 
 
 def _copy_side_files(src: Path, out: Path, cfg: dict, dtype: str) -> list[dict]:

@@ -6,11 +6,10 @@ one tensor slice is in memory at a time.
 
 Large files are written with ``O_DIRECT`` where the filesystem allows it (``direct_stage``): bytes are copied
 into two page-aligned staging buffers, and a full one is written to the device on an I/O thread while the
-other fills; the last partial block is padded, written, and the file truncated to its size. On this
-project's reference VM, writing 2 GB through the page cache cost 1.1-2.2 CPU-seconds (page allocation, dirty
-accounting, writeback), O_DIRECT 0.05 at 2 GB/s; a shard run is CPU-bound on few cores, so that CPU is the
-run's time. ``ADAPT_SHARD_DIRECT=0`` turns it off; a filesystem that refuses O_DIRECT (tmpfs, some FUSE)
-gets the page-cache path with early writeback.
+other fills; the last partial block is padded, written, and the file truncated to its size. Whether a run
+takes it is decided per run (``iomode.direct_io``: where the device is fast, O_DIRECT saves the CPU a shard run
+is bound by; where it is slow, the page cache's writeback gets more out of it). A filesystem that refuses
+O_DIRECT (tmpfs, some FUSE) gets the page-cache path with early writeback.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ OVERLAP_MIN = 256 << 10
 # ADAPT_SHARD_WRITEBACK=0 turns it off.
 WRITEBACK_EVERY = 64 << 20
 WRITEBACK = hasattr(os, "posix_fadvise") and os.environ.get("ADAPT_SHARD_WRITEBACK", "1") != "0"
-DIRECT = hasattr(os, "O_DIRECT") and os.environ.get("ADAPT_SHARD_DIRECT", "1") != "0"
+DIRECT = hasattr(os, "O_DIRECT")  # False once a filesystem took the flag but refused the I/O (EINVAL)
 ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses: a multiple of the logical block size
 STAGE = 4 << 20  # bytes per staging buffer (two per file being written)
 DIRECT_MIN = 8 << 20  # files smaller than this go through the page cache
@@ -50,18 +49,21 @@ _pools: dict[str, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(name: str) -> ThreadPoolExecutor:
+def io_pool(name: str, workers: int = 0) -> ThreadPoolExecutor:
+    """The process's thread pool ``name`` (made at first use: ``workers`` threads, default one per core, at
+    least 2)."""
     with _pools_lock:
         if name not in _pools:
-            _pools[name] = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix=name)
+            _pools[name] = ThreadPoolExecutor(max_workers=workers or max(2, os.cpu_count() or 2),
+                                              thread_name_prefix=name)
         return _pools[name]
 
 
 def _hash_lanes() -> ThreadPoolExecutor:
-    return _pool("adapt-sha")
+    return io_pool("adapt-sha")
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < data.nbytes:
         n = os.pwrite(fd, data[done:], offset + done)
@@ -105,20 +107,20 @@ class _Direct:
     def _first(self, data: memoryview) -> None:
         global DIRECT
         try:
-            _pwrite_all(self.fd, data, self.pos)
+            pwrite_all(self.fd, data, self.pos)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             DIRECT = self.direct = False
             fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            _pwrite_all(self.fd, data, self.pos)
+            pwrite_all(self.fd, data, self.pos)
 
     def _flush(self) -> None:
         view = self.views[self.cur]
         if self.pos == 0:
             self._first(view)
         else:
-            self.pending[self.cur] = _pool("adapt-io").submit(_pwrite_all, self.fd, view, self.pos)
+            self.pending[self.cur] = io_pool("adapt-io").submit(pwrite_all, self.fd, view, self.pos)
         self.pos += self.stage
         self.cur ^= 1
         self._wait(self.cur)
@@ -140,7 +142,7 @@ class _Direct:
             if self.pos == 0:
                 self._first(view[:end])
             else:
-                _pwrite_all(self.fd, view[:end], self.pos)
+                pwrite_all(self.fd, view[:end], self.pos)
         os.ftruncate(self.fd, size)
 
     def close(self) -> None:

@@ -254,7 +254,7 @@ def test_direct_io_file_is_exact(tmp_path, n):
 
 
 def test_direct_io_refused_by_the_filesystem_falls_back(tmp_path, monkeypatch):
-    real_open, real_pwrite = os.open, writer._pwrite_all
+    real_open, real_pwrite = os.open, writer.pwrite_all
     monkeypatch.setattr(writer, "DIRECT", True)
 
     def no_direct_open(path, flags, *a):
@@ -275,7 +275,7 @@ def test_direct_io_refused_by_the_filesystem_falls_back(tmp_path, monkeypatch):
         if len(calls) == 1:
             raise OSError(22, "Invalid argument")
         return real_pwrite(fd, view, offset)
-    monkeypatch.setattr(writer, "_pwrite_all", einval_once)
+    monkeypatch.setattr(writer, "pwrite_all", einval_once)
     with writer.AtomicFile(tmp_path / "b.bin", direct_stage=8192) as f:
         for piece in _odd_pieces(data, 777):
             f.write(piece)
@@ -285,10 +285,12 @@ def test_direct_io_refused_by_the_filesystem_falls_back(tmp_path, monkeypatch):
 
 def test_shard_through_direct_io_equals_page_cache(tiny_ckpts, tmp_path, monkeypatch):
     ckpt = tiny_ckpts["deepseek_v3"]
-    monkeypatch.setattr(writer, "DIRECT", False)
-    shard(ckpt, tmp_path / "cached", tp=2, ep=2, max_file_size=20_000)
     monkeypatch.setattr(writer, "DIRECT", True)
     monkeypatch.setattr(writer, "DIRECT_MIN", 0)
+    monkeypatch.setenv("ADAPT_SHARD_DIRECT", "0")
+    assert shard(ckpt, tmp_path / "cached", tp=2, ep=2, max_file_size=20_000).io == \
+        "page cache (ADAPT_SHARD_DIRECT=0)"
+    monkeypatch.setenv("ADAPT_SHARD_DIRECT", "1")
     monkeypatch.setattr(writer, "STAGE", 8192)
     import adapt.shard.fanout as fanout
     monkeypatch.setattr(fanout, "STAGE", 8192)

@@ -105,6 +105,7 @@ def test_fp8_dequant_the_same_through_direct_io_and_hash_lanes(fp8_ckpt, tmp_pat
     shard(fp8_ckpt, tmp_path / "ref", tp=2, pp=2, ep=2, dtype="bf16")
     monkeypatch.setattr(writer, "DIRECT", True)
     monkeypatch.setattr(writer, "DIRECT_MIN", 0)
+    monkeypatch.setenv("ADAPT_SHARD_DIRECT", "1")  # no probe: O_DIRECT whatever the disk
     monkeypatch.setattr(fanout, "STAGE", 8192)
     monkeypatch.setattr(fanout, "STAGE_MIN", 4096)
     monkeypatch.setattr(run_mod, "usable_cores", lambda: 8)
