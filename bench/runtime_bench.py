@@ -153,11 +153,19 @@ def moe_layer(hf, eng, dev, args):
                     row[f"maxdiff_vs_{impl}"] = err
                 except Exception as e:  # an implementation this torch build lacks
                     row[f"transformers_{impl}"] = f"unavailable: {type(e).__name__}: {str(e)[:80]}"
-        # the physical limit on this device: one dense GEMM chain with the same multiply-adds (T * K rows)
+        # torch's dense GEMM chain with the same multiply-adds (T * K rows): the block's floor where torch's GEMM
+        # runs near the device's peak (float32; bfloat16 on AMX). Where it does not (bfloat16 on AMD Zen 3: ~1 s)
+        # the two fields below are under 1 and say so
         rows, inter = x.shape[0] * hf.config.num_experts_per_tok, ours_block.num_inter
         a, b = (torch.randn(n, m, device=dev, dtype=eng.dtype) for n, m in ((rows, h), (h, 2 * inter)))
         c, d = (torch.randn(n, m, device=dev, dtype=eng.dtype) for n, m in ((rows, inter), (inter, h)))
-        row["dense_gemm_same_flops_ms"] = round(timed(lambda: (a @ b, c @ d), dev, args.repeat * 3) * 1e3, 3)
+        dense = timed(lambda: (a @ b, c @ d), dev, args.repeat * 3)
+        row["dense_gemm_same_flops_ms"] = round(dense * 1e3, 3)
+        row["adapt_vs_dense_gemm"] = round(ours / dense, 3)  # 1.0: the block costs what its multiply-adds do
+        # the ratio a block with no routing and no cost beyond that GEMM chain would reach against the peer
+        peer = next((row[k] for k in ("transformers_grouped_mm_ms", "transformers_eager_ms") if k in row), None)
+        if peer is not None:  # the peer the goal names
+            row["ratio_ceiling_at_dense_gemm"] = round(peer / row["dense_gemm_same_flops_ms"], 3)
         res[f"tokens_{t}"] = row
     return res
 

@@ -189,7 +189,7 @@ def main() -> None:
                 return  # best of the rounds
             res[key] = dict(wall_s=round(wall, 3), inner_s=s["seconds"], bytes=s["bytes_written"],
                             workers=s["workers"], gb_per_s=round(s["bytes_written"] / wall / 1e9, 3),
-                            peak_rss_bytes=rss)
+                            peak_rss_bytes=rss, io=s.get("io"))  # O_DIRECT or the page cache, and why
             shutil.rmtree(out)
             subprocess.run(["sync"], check=True)
 
