@@ -187,11 +187,14 @@ class _Journal:
         self.f = open(out / JOURNAL, "a")
         self.lock = threading.Lock()
 
-    def add(self, entry: dict) -> None:
+    def add(self, entry: dict, sync: bool = True) -> None:
+        """Append ``entry``; with ``sync``, durable before this returns (an fsync, which on ext4 waits for the
+        data of every file written since the last journal commit: 0.9 s on a 0.4 GB/s disk)."""
         with self.lock:
             self.f.write(json.dumps(entry) + "\n")
             self.f.flush()
-            os.fsync(self.f.fileno())
+            if sync:
+                os.fsync(self.f.fileno())
 
 
 def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None = None, *, tp: int = 1,
@@ -297,17 +300,25 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     def work(u: Unit) -> None:
         digest = run_unit(ckpt, u, out, block=block, overlap=workers < usable_cores(), acquire=budget.acquire,
                           release=budget.release, on_bytes=lambda n: tick(n, total), on_file=on_file, sleep=sleep,
-                          direct=direct)
+                          direct=direct, commits=commits)
         if digest is not None:
             entry = dict(name=u.source_file, **hashed_digest(src_stat[u.source_file], digest))
-            journal.add(dict(entry, source=u.source_file))
+            # no fsync on the worker: a source hash only spares a resume the hashing, and the next file's commit
+            # (or the manifest) makes it durable
+            journal.add(dict(entry, source=u.source_file), sync=False)
             with lock:
                 src_entries[u.source_file] = entry
 
+    commits: list = []  # the files' commits, which run on while the workers go on to their next units
     try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for fut in [pool.submit(work, u) for u in units]:
-                fut.result()
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for fut in [pool.submit(work, u) for u in units]:
+                    fut.result()
+        finally:
+            errors = [e for e in (fut.exception() for fut in commits) if e is not None]  # waits for each
+        if errors:
+            raise errors[0]
     finally:
         journal.f.close()
         ckpt.close()
