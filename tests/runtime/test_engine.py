@@ -269,3 +269,35 @@ def test_a_bad_moe_strategy_pin_is_refused_at_load(llama, monkeypatch):
     monkeypatch.setenv("ADAPT_MOE_STRATEGY", "fastest")
     with pytest.raises(RuntimeConfigError, match="ADAPT_MOE_STRATEGY must be auto or one of"):
         Engine.from_pretrained(llama, kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_head_packs_the_embedding_which_reads_its_panels(dtype, tmp_path):
+    # where linear_tiled takes the dtype, a head tied to the embedding takes column panels in the embedding
+    # itself (no second copy), and the embedding's lookup reads them: the same rows, logits within tolerance
+    from adapt.runtime.kernels.linear_tiled import linear_tiles
+    from tests.fixtures.tiny import save_tiny
+
+    hf, path = save_tiny("llama_tied", tmp_path / "tied")
+    packed = Engine.from_pretrained(path, dtype=dtype, kv_cache_memory="16MiB")
+    plain = Engine.from_pretrained(path, dtype=dtype, kv_cache_memory="16MiB", prepack="off")
+    v, h = hf.config.vocab_size, hf.config.hidden_size
+    emb, head = packed.model.embed, packed.model.lm_head
+    assert head.tied is emb and head.weight is None
+    if not linear_tiles(v, h, getattr(torch, dtype)):
+        assert emb.weight.dim() == 2
+        pytest.skip(f"linear_tiled does not take {dtype} here")
+    assert emb.weight.dim() == 3 and plain.model.embed.weight.dim() == 2
+    ids = torch.tensor([0, 3, v - 1, 17, 3])
+    assert torch.equal(emb.rows(ids), plain.model.embed.rows(ids))
+    packed.generate([[1, 2, 3]], GREEDY)
+    assert packed.last_stats["linears"]["fma panels"] >= 1
+    toks = [5, 9, 33, 2, 17, 40]
+    a, b = packed.prefill_logits(toks).float(), plain.prefill_logits(toks).float()
+    if dtype == "float32":
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+        prompts = _ragged(4)
+        assert [r.token_ids for r in packed.generate(prompts, GREEDY)] == \
+            [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    else:
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item() > 0.999

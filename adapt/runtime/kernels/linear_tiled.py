@@ -61,3 +61,11 @@ def unpack_linear(w_panels: torch.Tensor) -> torch.Tensor:
     """[N / panel, K, panel] -> [N, K] (a copy)."""
     p, k, panel = w_panels.shape
     return w_panels.transpose(1, 2).reshape(p * panel, k)
+
+
+def panel_rows(w_panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of W from its panels ([N / panel, K, panel] -> [*ids.shape, K]): an embedding lookup on a
+    weight packed for a tied head."""
+    p = w_panels.shape[2]
+    return w_panels[ids // p, :, ids % p]
+
