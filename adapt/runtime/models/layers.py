@@ -228,7 +228,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """The vocab slice of lm_head (or of the tied embedding); logits are gathered over tp. A tied head
-    reads the embedding's rows, which stay unpacked."""
+    reads the embedding's weight, which prepack_linears may pack in column panels for both."""
 
     packable = True
 
