@@ -169,3 +169,18 @@ def test_topk_rows_flags_what_it_cannot_decide():
         ext.topk_rows(x, 5)
     with pytest.raises(RuntimeError, match="float32"):
         ext.topk_rows(x.double(), 2)
+
+
+def test_bfloat16_router_logits_round_once_from_float32_sums():
+    # bfloat16 logits: float32 sums rounded once, whichever GEMM runs (F.linear's bf16 path where oneDNN has bf16
+    # dot products; float32's GEMM elsewhere), so within the 2x rule of torch's own bf16 F.linear
+    import torch.nn.functional as F
+
+    from ._tol import assert_lowp_close
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(37, 96, generator=g), torch.randn(8, 96, generator=g) * 0.1
+    out = router_logits(x.bfloat16(), w.bfloat16(), float32=False)
+    assert out.dtype == torch.bfloat16 and out.shape == (37, 8)
+    assert_lowp_close(out, F.linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16().float(), w.bfloat16().float()),
+                      "router bf16")
