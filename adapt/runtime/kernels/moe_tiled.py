@@ -3,12 +3,12 @@
 # Legend: T tokens, H hidden size, I expert intermediate size, K top-k, E local experts.
 
 Each expert's weights are packed once at load (``pack_tiled``): float32 in column panels for an FMA
-micro-kernel, bfloat16 in AMX tiles (read by AMX, or by AVX512-BF16's vdpbf16ps where
-the CPU has no AMX), or, on a CPU with neither (AMD Zen 3, AVX2), in the float32 layout's panels, widened to
-float32 as the FMA micro-kernel reads them. One call groups the slots by expert (a counting sort), gathers each expert's rows,
-runs gate|up, SiLU-and-mul and down, and the weighted combine, with no torch op between them: on a CPU,
-each torch op between two weight GEMMs costs a fixed 15-25 us, and oneDNN re-packs stacked bfloat16
-weights on every call. Rounding follows the torch form: in bfloat16,
+micro-kernel, bfloat16 in AMX tiles (read by AMX, or by AVX512-BF16's vdpbf16ps where the CPU has no AMX),
+or, on a CPU with neither (AMD Zen 3, AVX2), in the float32 layout's panels, widened to float32 as the FMA
+micro-kernel reads them. One call groups the slots by expert (a counting sort), gathers each expert's rows,
+runs gate|up, SiLU-and-mul and down, and the weighted combine, with no torch op between them: on a CPU, each
+torch op between two weight GEMMs costs a fixed 15-25 us, and oneDNN re-packs stacked bfloat16 weights on
+every call. Rounding follows the torch form: in bfloat16,
 gate|up and down round to bfloat16 after their float32 accumulation, silu rounds, then the product; the
 combine sums in float32. MoE.pack_experts takes it at load where a timed trial says it wins. On a 2-core
 AMX Xeon, 32 experts top-4, H 512, I 256, experts alone, stacked / tiled, ms: bfloat16 512 tokens 5.7 /

@@ -329,15 +329,16 @@ inline void vstored_as(A* p, vf v) {
 #endif
 
 // y [M, N] = x [M, K] @ W^T (+ bias), float32 or bfloat16, W packed in the experts' column panels [N / FMA_NR,
-// K, FMA_NR] of x's dtype (bfloat16 widened as it is read, x's rows taken as float32, one rounding at the end;
-// bias float32). Each thread takes a contiguous range of panels and runs every row against it, in row chunks of
-// about 8 MB of x. On this 2-core Xeon, float32, the bench dense model's 49 weights (400 MB) streamed in model
-// order: 1 row 17.5-18.5 -> 14.3-15.7 ms, 16 rows 27.3-27.6 -> 23.8-24.3 ms against oneDNN's packed linear.
+// K, FMA_NR] of x's dtype (bfloat16 widened as it is read, x's rows taken as float32; the bias, float32 or x's
+// dtype, added to the float32 sums before the one rounding). Each thread takes a contiguous range of panels and
+// runs every row against it, in row chunks of about 8 MB of x. On this 2-core Xeon, float32, the bench dense
+// model's 49 weights (400 MB) streamed in model order: 1 row 17.5-18.5 -> 14.3-15.7 ms, 16 rows 27.3-27.6 ->
+// 23.8-24.3 ms against oneDNN's packed linear.
 torch::Tensor linear_tiled(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
 #ifdef ADAPT_VW
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
-                  w.dim() == 3 && w.is_contiguous() && w.scalar_type() == x.scalar_type() && w.size(2) == FMA_NR &&
-                  w.size(1) == x.size(1),
+  const bool dtype_ok = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && dtype_ok && w.dim() == 3 && w.is_contiguous() &&
+                  w.scalar_type() == x.scalar_type() && w.size(2) == FMA_NR && w.size(1) == x.size(1),
               "linear_tiled: contiguous float32 or bfloat16 x [M, K] and a panel-packed weight [N / ", FMA_NR, ", K, ",
               FMA_NR, "] of its dtype");
   const int64_t M = x.size(0), K = x.size(1), P = w.size(0), N = P * FMA_NR;
