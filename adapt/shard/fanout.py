@@ -223,24 +223,20 @@ class _Caster:
 
 def run_unit(ckpt: Checkpoint, unit: Unit, out_dir, *, block, overlap: bool, acquire: Callable[[int], int],
              release: Callable[[int], None], on_bytes: Callable[[int], None],
-             on_file: Callable[[OutputFile, int, str], None], sleep: float = 0.0, direct: bool = True,
-             commits: list | None = None) -> str | None:
+             on_file: Callable[[OutputFile, int, str], None], direct: bool, commits: list,
+             sleep: float = 0.0) -> str | None:
     """Write the unit's output files (except the kept ones); returns the source's sha256 when asked to hash it.
 
     Each file is committed (its last bytes to the device, fsync, rename) on a committer thread once its last
-    tensor is written, and ``on_file(file, size, sha256)`` is called then. ``commits``: a list to hand the
-    commits' futures to, for the caller to wait on, so that this worker goes on to its next unit while the
-    device takes the last ones (a unit that waited for its own commits idled 1.1 s of a 4.5 s run on a 0.4 GB/s
-    disk); without it, the unit waits for them itself. ``acquire``/``release`` bound the bytes of materialised
-    tensors; ``sleep`` (a test hook) pauses after every source tensor; ``direct``: large files through O_DIRECT
-    staging (iomode.direct_io), else the page cache."""
+    tensor is written, and ``on_file(file, size, sha256)`` is called then. ``commits``: the list the commits'
+    futures go to, for the caller to wait on, so that this worker goes on to its next unit while the device
+    takes the last ones (a unit that waited for its own commits idled 1.1 s of a 4.5 s run on a 0.4 GB/s
+    disk). ``acquire``/``release`` bound the bytes of materialised tensors; ``sleep`` (a test hook) pauses after
+    every source tensor; ``direct``: large files through O_DIRECT staging (iomode.direct_io), else the page
+    cache."""
     run = _UnitRun(ckpt, unit, out_dir, block, overlap, acquire, release, on_bytes, on_file, sleep, direct)
     digest = run.run()
-    if commits is None:
-        for fut in run.commits:
-            fut.result()
-    else:
-        commits.extend(run.commits)
+    commits.extend(run.commits)
     return digest
 
 

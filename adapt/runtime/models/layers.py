@@ -118,8 +118,8 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK_DTY
 
 
 def linears_form(model: nn.Module) -> dict[str, int]:
-    """How the packable linears are held (engine stats): counts of "fma panels" (the tiled float32 GEMM),
-    "oneDNN packed" and "plain" (F.linear)."""
+    """How the packable linears are held (engine stats): counts of "fma panels" (the tiled FMA GEMM, float32 or
+    bfloat16), "oneDNN packed" and "plain" (F.linear)."""
     out: dict[str, int] = {}
     for m in model.modules():
         w = getattr(m, "weight", None) if getattr(m, "tied", None) is None else m.tied.weight
