@@ -75,7 +75,7 @@ def run_cmd(
     try:
         result = shard(ckpt, out, plan_file=plan, **{k: v or 1 for k, v in degrees.items()}, dtype=dtype,
                        max_file_size=parse_size(max_file_size), workers=workers,
-                       memory_budget=parse_size(memory_budget), force=force, allow_pickle=allow_pickle,
+                       memory_budget=parse_size(memory_budget, "--memory-budget"), force=force, allow_pickle=allow_pickle,
                        trust_hub_cache=not rehash_source, progress=progress)
     finally:
         if bar.live.is_started:

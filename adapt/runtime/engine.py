@@ -14,7 +14,6 @@ layers.{i}.attn, layers.{i}.post_attn_norm, layers.{i}.router_logits, layers.{i}
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -41,33 +40,26 @@ from adapt.runtime.scheduler import Scheduler
 from adapt.runtime.tactics import STRATEGIES, STRATEGY_ENV
 from adapt.runtime.checkpoint import open_model
 from adapt.spec import ModelSpec
+from adapt.units import parse_bytes, size_number
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 512 << 20  # on CPU the default budget is capped: free RAM is shared with the weights
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
 
 def parse_memory(value: str | int | float | None) -> tuple[int | None, float | None]:
     """'2GiB' / '512MiB' / '1000000' -> (bytes, None); '0.5' (a number <= 1) -> (None, fraction of free)."""
     if value is None:
         return None, None
-    if isinstance(value, (int, float)):
-        return (None, float(value)) if 0 < value <= 1 else (int(value), None)
-    s = str(value).strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    try:
-        x = float(num)
-    except ValueError:
-        x = None
-    if x is None or unit not in _UNITS or x <= 0 or not math.isfinite(x):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
+        return None, float(value)
+    got = size_number(value)
+    if got is None or (got[1] and parse_bytes(value) is None):
         raise RuntimeConfigError(f"--kv-cache-memory: cannot parse {value!r}; give bytes (e.g. 2GiB, 512MiB, "
                                  "1000000) or a fraction of free memory in (0, 1]")
-    if not unit and x <= 1:
-        return None, x
-    return int(x * _UNITS[unit]), None
+    if not got[1] and got[0] <= 1:
+        return None, got[0]
+    return parse_bytes(value), None
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -10,26 +10,19 @@ from adapt.plan import ParallelPlan, TensorSlice, rank_tensors, scale_slice
 from adapt.shard.checkpoint import Checkpoint
 from adapt.shard.manifest import OutputFile, OutputTensor, rank_dir
 from adapt.shard.transform import plan_transform
+from adapt.units import parse_bytes
 
 DEFAULT_MAX_FILE_SIZE = 5 * 10**9
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_size(text: str | int) -> int:
-    """'5GB', '500MiB', '20KB' or a byte count -> bytes."""
-    if isinstance(text, int):
+def parse_size(text: str | int, option: str = "--max-file-size") -> int:
+    """'5GB', '500MiB', '20KB' or a byte count -> bytes; else a ShardError naming ``option``."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return text
-    s = str(text).strip().upper().replace(" ", "")
-    num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1
-    if unit not in _UNITS or value <= 0:
-        raise ShardError(f"--max-file-size must be a size such as 5GB, 500MiB or 20KB; got {text!r}")
-    return int(value * _UNITS[unit])
+    n = parse_bytes(text)
+    if n is None:
+        raise ShardError(f"{option} must be a size such as 5GB, 500MiB or 20KB; got {text!r}")
+    return n
 
 
 def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, rank: int, names: set[str],

@@ -143,3 +143,15 @@ def test_cli_plan_yaml_and_conflict(llama_ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["shard", str(llama_ckpt), "--out", str(tmp_path / "o2"), "--plan", str(plan), "--tp", "2"])
     assert "not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option,value", [("--max-file-size", "0"), ("--max-file-size", "infGB"),
+                                          ("--max-file-size", "1e400GB"), ("--memory-budget", "abc"),
+                                          ("--memory-budget", "nanMB"), ("--memory-budget", "-2GB")])
+def test_cli_bad_size_names_its_option(option, value, llama_ckpt, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["shard", str(llama_ckpt), "--out", str(tmp_path / "o"), "--tp", "2", f"{option}={value}"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {option} must be a size") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
