@@ -5,14 +5,14 @@
 Each expert's weights are packed once at load (``pack_tiled``): float32 in column panels for an FMA
 micro-kernel, bfloat16 in AMX tiles (read by AMX, or by AVX512-BF16's vdpbf16ps where the CPU has no AMX),
 or, on a CPU with neither (AMD Zen 3, AVX2), in the float32 layout's panels, widened to float32 as the FMA
-micro-kernel reads them. One call groups the slots by expert (a counting sort), gathers each expert's rows,
-runs gate|up, SiLU-and-mul and down, and the weighted combine, with no torch op between them: on a CPU, each
-torch op between two weight GEMMs costs a fixed 15-25 us, and oneDNN re-packs stacked bfloat16 weights on
-every call. Rounding follows the torch form: in bfloat16,
-gate|up and down round to bfloat16 after their float32 accumulation, silu rounds, then the product; the
-combine sums in float32. MoE.pack_experts takes it at load where a timed trial says it wins. On a 2-core
-AMX Xeon, 32 experts top-4, H 512, I 256, experts alone, stacked / tiled, ms: bfloat16 512 tokens 5.7 /
-1.6, 16 tokens 2.7 / 0.55; float32 512 tokens 8.7 / 5.7.
+micro-kernel reads them; float16 in those panels too, widened the same way (F16C, AVX-512). One call groups
+the slots by expert (a counting sort), gathers each expert's rows, runs gate|up, SiLU-and-mul and down, and
+the weighted combine, with no torch op between them: on a CPU, each torch op between two weight GEMMs costs a
+fixed 15-25 us, and oneDNN re-packs stacked bfloat16 weights on every call. Rounding follows the torch form:
+in bfloat16 (float16 alike), gate|up and down round to bfloat16 after their float32 accumulation, silu
+rounds, then the product; the combine sums in float32. MoE.pack_experts takes it at load where a timed trial
+says it wins. On a 2-core AMX Xeon, 32 experts top-4, H 512, I 256, experts alone, stacked / tiled, ms:
+bfloat16 512 tokens 5.7 / 1.6, 16 tokens 2.7 / 0.55; float32 512 tokens 8.7 / 5.7.
 """
 
 import torch
@@ -53,8 +53,9 @@ _DTYPES: dict = {}
 
 def tiled_panel(dtype: torch.dtype) -> int:
     """Columns per packed block of the tiled kernel for ``dtype`` on this build and host (0: it does not
-    run): the FMA kernel's panel (64 with AVX-512, 16 with AVX2) for float32, and for bfloat16 where the CPU
-    has no bf16 dot product (the weights widened to float32 as they are read); 16 for bfloat16 in the vnni
+    run): the FMA kernel's panel (64 with AVX-512, 16 with AVX2) for float32, for bfloat16 where the CPU
+    has no bf16 dot product, and for float16 where the vector layer converts it (F16C, AVX-512; the 16-bit
+    weights widened to float32 as they are read); 16 for bfloat16 in the vnni
     layout (an AMX tile; the AVX512-BF16 form reads the same layout). The installed module's, also inside
     fused.disabled(): the torch form then unpacks the same layout."""
     ext = fused.installed()

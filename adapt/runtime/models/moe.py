@@ -104,8 +104,8 @@ class MoE(nn.Module):
         return out
 
     def pack_experts(self, dtypes: tuple[torch.dtype, ...], tiled: bool = False) -> int:
-        """On CPU, with ``tiled``: pack the experts for the fused tiled kernel (moe_experts_tiled, float32 or
-        bfloat16) where it runs here and a timed trial says it beats the stacked paths. Else float32
+        """On CPU, with ``tiled``: pack the experts for the fused tiled kernel (moe_experts_tiled, float32,
+        bfloat16 or float16) where it runs here and a timed trial says it beats the stacked paths. Else float32
         experts in ``dtypes``: repack every expert's gate_up and down once for oneDNN
         (moe_experts_packed), replacing the stacked tensors so memory does not grow, where a timed trial
         says the packed loop beats the stacked paths on this host (``packing_wins``); returns the number

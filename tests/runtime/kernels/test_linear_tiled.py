@@ -1,5 +1,5 @@
-"""The linear on column panels (csrc/moe_gemm.h linear_tiled) against its twin and F.linear: float32 and
-bfloat16 (widened as it is read), row tails and chunks, odd K, bias, batched inputs, thread counts, the
+"""The linear on column panels (csrc/moe_gemm.h linear_tiled) against its twin and F.linear: float32,
+bfloat16 and float16 (widened as they are read), row tails and chunks, odd K, bias, batched inputs, thread counts, the
 torch fallback, packing round trips, and the model layers that take it."""
 
 import pytest
@@ -10,6 +10,7 @@ from adapt.runtime import cpu_kernels
 from adapt.runtime.kernels import fused
 from adapt.runtime.kernels.linear_tiled import (linear_tiled, linear_tiled_ref, linear_tiles, pack_linear,
                                                 unpack_linear)
+from adapt.runtime.kernels.moe_experts import onednn_packs
 from adapt.runtime.kernels.moe_tiled import tiled_panel, tiled_vnni
 
 from ._tol import assert_fp32_close, assert_lowp_close
@@ -72,29 +73,35 @@ def test_pack_round_trip_and_what_tiles():
     if tiled_panel(torch.float32):
         q = tiled_panel(torch.float32)
         assert linear_tiles(2 * q, 7, torch.float32) and not linear_tiles(2 * q + 1, 7, torch.float32)
-    # bfloat16 where the CPU has no bf16 dot product (oneDNN's native bf16 linear elsewhere); never float16
+    # bfloat16 where the CPU has no bf16 dot product, float16 where oneDNN cannot pack it (oneDNN's native
+    # 16-bit linears elsewhere)
     assert linear_tiles(128, 64, torch.bfloat16) == (tiled_panel(torch.bfloat16) > 0 and not tiled_vnni(torch.bfloat16))
-    assert not linear_tiles(128, 64, torch.float16)
+    assert linear_tiles(128, 64, torch.float16) == (tiled_panel(torch.float16) > 0 and not onednn_packs(torch.float16))
+    assert not linear_tiles(128, 64, torch.float64)
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 300])
 @pytest.mark.parametrize("k", [3, 100, 768])
-def test_bfloat16_linear_tiled_within_2x_of_f_linear(m, k):
-    # every host with a vector layer runs bfloat16 panels (prepack takes them where oneDNN has no bf16 dot
-    # product): one rounding after the float32 sum and the bias
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_linear_tiled_within_2x_of_f_linear(m, k, dtype):
+    # every host with a vector layer runs bfloat16 panels, and float16 ones where it converts float16 (F16C,
+    # AVX-512); prepack takes them where oneDNN has no native 16-bit linear: one rounding after the float32
+    # sum and the bias
     _need()
+    if not tiled_panel(dtype):
+        pytest.skip(f"this build's vector layer does not convert {dtype}")
     p = tiled_panel(torch.float32)
-    for n, bias in ((p, "bf16"), (3 * p, None), (2 * p, "f32")):
+    for n, bias in ((p, "lowp"), (3 * p, None), (2 * p, "f32")):
         x, w, b = _case(m, k, n, seed=m * 1000 + k + 7, bias=bias is not None)
-        x, w = x.bfloat16(), w.bfloat16()
-        b = None if b is None else b.bfloat16() if bias == "bf16" else b.bfloat16().float()
+        x, w = x.to(dtype), w.to(dtype)
+        b = None if b is None else b.to(dtype) if bias == "lowp" else b.to(dtype).float()
         wp = pack_linear(w, p)
         y = linear_tiled(x, wp, b)
-        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        assert y.shape == (m, n) and y.dtype == dtype
         ref32 = F.linear(x.float(), w.float(), None if b is None else b.float())
-        assert_lowp_close(y, F.linear(x, w, None if b is None else b.bfloat16()), ref32, f"bf16 m={m} k={k} n={n}")
-        assert_lowp_close(linear_tiled_ref(x, wp, None if b is None else b.bfloat16()), F.linear(
-            x, w, None if b is None else b.bfloat16()), ref32, "twin")
+        assert_lowp_close(y, F.linear(x, w, None if b is None else b.to(dtype)), ref32, f"{dtype} m={m} k={k} n={n}")
+        assert_lowp_close(linear_tiled_ref(x, wp, None if b is None else b.to(dtype)), F.linear(
+            x, w, None if b is None else b.to(dtype)), ref32, "twin")
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -120,6 +127,8 @@ def test_kernel_refuses_what_it_does_not_take():
         ext.linear_tiled(x.bfloat16(), wp, None)  # x and W of different dtypes
     with pytest.raises(RuntimeError, match="linear_tiled"):
         ext.linear_tiled(x.bfloat16(), wp.bfloat16(), torch.zeros(p, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="linear_tiled"):
+        ext.linear_tiled(x.half(), wp.bfloat16(), None)  # float16 x on bfloat16 panels
 
 
 def test_prepacked_float32_layers_take_it_and_keep_their_outputs():

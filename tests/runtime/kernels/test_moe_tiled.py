@@ -1,7 +1,8 @@
 """The fused tiled MoE kernel (csrc/moe_gemm.h, moe_experts_tiled) against its twin: float32 (the FMA
 kernel), bfloat16 (AMX or AVX512-BF16 on vnni-packed weights, where the host has one; `pytest -m slow` also
 builds the latter on an AMX host; and on every host with a vector layer, the FMA kernel on bfloat16 panels
-widened as they are read), packing round trips, row tails and chunks, expert parallelism, thread counts, the
+widened as they are read; float16 panels the same way where the vector layer converts float16), packing
+round trips, row tails and chunks, expert parallelism, thread counts, the
 torch fallback, and inputs it refuses."""
 
 import pytest
@@ -43,7 +44,8 @@ def _packed(wgu, wd, vnni=None):
 
 
 @pytest.mark.parametrize("dtype,panel,vnni", [(torch.float32, 16, False), (torch.float32, 32, False),
-                                              (torch.bfloat16, 16, True), (torch.bfloat16, 16, False)])
+                                              (torch.bfloat16, 16, True), (torch.bfloat16, 16, False),
+                                              (torch.float16, 16, False)])
 def test_pack_and_unpack_are_inverse_and_lay_out_tiles(dtype, panel, vnni):
     w = torch.randn(3, 64, 96).to(dtype)
     p = pack_tiled(w, panel, vnni)
@@ -82,17 +84,20 @@ def test_bfloat16_within_2x_of_torch(t, h, inter, e, k):
 
 @pytest.mark.parametrize("t,h,inter,e,k", [(1, 64, 32, 8, 2), (29, 64, 32, 6, 2), (70, 96, 64, 5, 3),
                                            (300, 128, 96, 4, 2)])
-def test_bfloat16_panels_on_the_fma_kernel_within_2x_of_torch(t, h, inter, e, k):
-    # the form a CPU without bf16 dot products runs (AMD Zen 3); every host with a vector layer can run it:
-    # bfloat16 weights widened to float32 as they are read, the torch form's roundings
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_panels_on_the_fma_kernel_within_2x_of_torch(t, h, inter, e, k, dtype):
+    # the form a CPU without bf16 dot products runs (AMD Zen 3), and float16's on every CPU whose vector layer
+    # converts it: the 16-bit weights widened to float32 as they are read, the torch form's roundings
     _need(torch.float32)
-    x, w, ids, wgu, wd = _case(t, h, inter, e, k, seed=t + 1, dtype=torch.bfloat16)
+    if dtype == torch.float16:
+        _need(dtype)
+    x, w, ids, wgu, wd = _case(t, h, inter, e, k, seed=t + 1, dtype=dtype)
     pg, pd = _packed(wgu, wd, vnni=False)
-    assert pg.dim() == 4 and pg.dtype == torch.bfloat16
+    assert pg.dim() == 4 and pg.dtype == dtype
     out = moe_experts_tiled(x, w, ids, pg, pd)
-    assert out.dtype == torch.bfloat16 and out.shape == (t, h)
+    assert out.dtype == dtype and out.shape == (t, h)
     ref32 = moe_experts_tiled_ref(x.float(), w.float(), ids, pg.float(), pd.float())
-    assert_lowp_close(out, moe_experts_tiled_ref(x, w, ids, pg, pd), ref32, "tiled moe bf16 panels")
+    assert_lowp_close(out, moe_experts_tiled_ref(x, w, ids, pg, pd), ref32, f"tiled moe {dtype} panels")
 
 
 def test_the_host_form_of_bfloat16():
@@ -107,7 +112,7 @@ def test_the_host_form_of_bfloat16():
     assert _packed(z, z[:, :, :32])[0].dim() == (5 if vnni else 4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_idle_experts_one_expert_and_a_chunked_busy_expert(dtype):
     _need(dtype)
     t, h, inter, e = 600, 64, 32, 6
@@ -126,7 +131,7 @@ def test_idle_experts_one_expert_and_a_chunked_busy_expert(dtype):
             assert_lowp_close(out, moe_experts_tiled_ref(x, w, ids, pg, pd), ref32, name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_expert_parallel_ranks_sum_to_the_full_output(dtype):
     _need(dtype)
     x, w, ids, wgu, wd = _case(40, 64, 32, 6, 2, seed=5, dtype=dtype)
@@ -139,7 +144,8 @@ def test_expert_parallel_ranks_sum_to_the_full_output(dtype):
     assert torch.equal(none, torch.zeros_like(none))
 
 
-@pytest.mark.parametrize("dtype,vnni", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, False)])
+@pytest.mark.parametrize("dtype,vnni", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, False),
+                                        (torch.float16, None)])
 def test_one_and_two_threads_give_the_same_bits(dtype, vnni):
     # a row is computed by one thread whatever the split, and the combine's order is fixed (vnni None: the
     # host's form; False: bfloat16 panels on the FMA kernel)

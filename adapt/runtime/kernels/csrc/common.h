@@ -22,8 +22,10 @@ namespace adapt_cpu {
 
 
 using bf16 = c10::BFloat16;
+using half = c10::Half;
 
 inline float f32(float x) { return x; }
+inline float f32(half x) { return static_cast<float>(x); }
 inline float f32(bf16 x) {
   uint32_t b = static_cast<uint32_t>(x.x) << 16;
   float f;
@@ -42,6 +44,7 @@ inline uint16_t bf16_bits(float f) {
 template <typename T> inline T from_f32(float f);
 template <> inline float from_f32<float>(float f) { return f; }
 template <> inline bf16 from_f32<bf16>(float f) { return bf16(bf16_bits(f), bf16::from_bits()); }
+template <> inline half from_f32<half>(float f) { return half(f); }  // IEEE round to nearest even
 // the value a float rounds to in T, as a float (torch's per-op rounding of a bfloat16 result)
 template <typename T> inline float rnd(float f) { return f32(from_f32<T>(f)); }
 
@@ -108,6 +111,15 @@ inline void vstore(bf16* p, vf v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bitsv(v)));
 }
 inline vf bf16_as_f32(vi bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
+// float16: AVX-512F converts (round to nearest even, as c10::Half)
+#define ADAPT_HALF 1
+inline vf vload(const half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void vstore(half* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline vf half_round(vf v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define ADAPT_VW 8
 constexpr int64_t VW = 8;
@@ -154,12 +166,26 @@ inline void vstore(bf16* p, vf v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 inline vf bf16_as_f32(vi bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)); }
+#if defined(__F16C__)
+// float16 through F16C (every AVX2 CPU but a few early VIA ones): round to nearest even, as c10::Half
+#define ADAPT_HALF 1
+inline vf vload(const half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(half* p, vf v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline vf half_round(vf v) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
 #endif
 
 #ifdef ADAPT_VW
 template <typename T> inline vf vrnd(vf v);
 template <> inline vf vrnd<float>(vf v) { return v; }
 template <> inline vf vrnd<bf16>(vf v) { return bf16_as_f32(bf16_bitsv(v)); }
+#ifdef ADAPT_HALF
+template <> inline vf vrnd<half>(vf v) { return half_round(v); }
+#endif
 inline vf vexp(vf x) {  // exp_f32, per lane
   x = vmin(vmax(x, vset1(-87.3f)), vset1(88.7f));
   const vf fi = vfloor(vadd(vmul(x, vset1(1.44269504088896341f)), vset1(0.5f)));
@@ -187,6 +213,14 @@ template <> inline void row_f32<bf16>(const bf16* src, float* dst, int64_t n, fl
 #endif
   for (; i < n; ++i) dst[i] = f32(src[i]) * s;
 }
+#ifdef ADAPT_HALF
+template <> inline void row_f32<half>(const half* src, float* dst, int64_t n, float s) {
+  int64_t i = 0;
+  const vf vs = vset1(s);
+  for (; i + VW <= n; i += VW) vstoreu(dst + i, vmul(vload(src + i), vs));
+  for (; i < n; ++i) dst[i] = f32(src[i]) * s;
+}
+#endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
@@ -224,6 +258,15 @@ void float_or_bf16(const torch::Tensor& x, const char* what, F&& f) {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, what, ": dtype must be float32 or bfloat16");
     f(bf16{});
   }
+}
+
+// float32, bfloat16 or (where the vector layer converts it) float16: the panel GEMMs' element types
+template <typename F>
+void float_bf16_or_half(const torch::Tensor& x, const char* what, F&& f) {
+#ifdef ADAPT_HALF
+  if (x.scalar_type() == at::kHalf) return f(half{});
+#endif
+  float_or_bf16(x, what, f);
 }
 
 

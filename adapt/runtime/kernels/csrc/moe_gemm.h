@@ -291,12 +291,16 @@ inline void bf16_gemm(int kind, const bf16* A, int64_t M, int64_t K, const bf16*
 
 // Which dtypes moe_experts_tiled runs on this build and host: float32 with a vector layer; bfloat16 with AMX
 // (compiled in and granted by the kernel) or AVX512-BF16 on vnni-packed weights, else with a vector layer on
-// panel-packed weights, widened to float32 as they are read ("fma": AMD Zen 3, AVX2-only CPUs).
+// panel-packed weights, widened to float32 as they are read ("fma": AMD Zen 3, AVX2-only CPUs); float16
+// on panels, widened the same way, where the vector layer converts it (F16C, AVX-512).
 inline std::vector<std::string> moe_tiled_dtypes() {
   std::vector<std::string> out;
 #ifdef ADAPT_VW
   out.push_back("float32");
   out.push_back("bfloat16");
+#ifdef ADAPT_HALF
+  out.push_back("float16");
+#endif
 #else
   if (bf16_gemm_kind() > 0) out.push_back("bfloat16");
 #endif
@@ -328,19 +332,22 @@ inline void vstored_as(A* p, vf v) {
 }
 #endif
 
-// y [M, N] = x [M, K] @ W^T (+ bias), float32 or bfloat16, W packed in the experts' column panels [N / FMA_NR,
-// K, FMA_NR] of x's dtype (bfloat16 widened as it is read, x's rows taken as float32; the bias, float32 or x's
+// y [M, N] = x [M, K] @ W^T (+ bias), float32, bfloat16 or float16, W packed in the experts' column panels [N /
+// FMA_NR, K, FMA_NR] of x's dtype (16-bit widened as it is read, x's rows taken as float32; the bias, float32 or x's
 // dtype, added to the float32 sums before the one rounding). Each thread takes a contiguous range of panels and
 // runs every row against it, in row chunks of about 8 MB of x. On this 2-core Xeon, float32, the bench dense
 // model's 49 weights (400 MB) streamed in model order: 1 row 17.5-18.5 -> 14.3-15.7 ms, 16 rows 27.3-27.6 ->
 // 23.8-24.3 ms against oneDNN's packed linear.
 torch::Tensor linear_tiled(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
 #ifdef ADAPT_VW
-  const bool dtype_ok = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+  bool dtype_ok = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+#ifdef ADAPT_HALF
+  dtype_ok = dtype_ok || x.scalar_type() == at::kHalf;
+#endif
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && dtype_ok && w.dim() == 3 && w.is_contiguous() &&
                   w.scalar_type() == x.scalar_type() && w.size(2) == FMA_NR && w.size(1) == x.size(1),
-              "linear_tiled: contiguous float32 or bfloat16 x [M, K] and a panel-packed weight [N / ", FMA_NR, ", K, ",
-              FMA_NR, "] of its dtype");
+              "linear_tiled: contiguous float32, bfloat16 or float16 x [M, K] and a panel-packed weight [N / ",
+              FMA_NR, ", K, ", FMA_NR, "] of its dtype");
   const int64_t M = x.size(0), K = x.size(1), P = w.size(0), N = P * FMA_NR;
   torch::Tensor bf;  // the bias as float32: added to the float32 sums before the one rounding
   if (bias.has_value() && bias->defined()) {
@@ -356,7 +363,7 @@ torch::Tensor linear_tiled(torch::Tensor x, torch::Tensor w, c10::optional<torch
   // rows per pass over the weight: as many as keep x's chunk near 8 MB (L3), so that a prefill streams each
   // weight from memory once or a few times (256-row chunks: 4x256-token prefill 10% slower than oneDNN)
   const int64_t MC = std::max<int64_t>(256, std::min<int64_t>(4096, (8 << 20) / (4 * std::max<int64_t>(K, 1))));
-  float_or_bf16(x, "linear_tiled", [&](auto tag) {
+  float_bf16_or_half(x, "linear_tiled", [&](auto tag) {
     using X = decltype(tag);
     const X* B = w.data_ptr<X>();
     X* C = y.data_ptr<X>();
@@ -388,8 +395,12 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
   TORCH_CHECK(wgu.scalar_type() == x.scalar_type() && wd.scalar_type() == x.scalar_type() && wgu.is_contiguous() &&
                   wd.is_contiguous() && wgu.size(0) == wd.size(0) && wgu.dim() == wd.dim(),
               "moe_experts_tiled: packed weights of x's dtype, both in one layout");
-  const bool lowp = x.scalar_type() == at::kBFloat16;
-  const bool vnni = lowp && wgu.dim() == 5;  // bf16 on AMX / AVX512-BF16; else the FMA GEMM on panels
+  bool fp16 = false;  // float16: panels only, where the vector layer converts it
+#ifdef ADAPT_HALF
+  fp16 = x.scalar_type() == at::kHalf;
+#endif
+  const bool lowp = x.scalar_type() == at::kBFloat16 || fp16;
+  const bool vnni = lowp && !fp16 && wgu.dim() == 5;  // bf16 on AMX / AVX512-BF16; else the FMA GEMM on panels
   const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), E = wgu.size(0), S = T * K;
   int64_t N1, K1, N2, K2, cols;  // cols: the kernel's column block
   if (vnni) {
@@ -553,8 +564,12 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
     run(float{}, float{});
   } else if (vnni) {
     run(bf16{}, bf16{});
-  } else {
+  } else if (!fp16) {
     run(bf16{}, float{});
+  } else {
+#ifdef ADAPT_HALF
+    run(half{}, float{});
+#endif
   }
   return out;
 }
