@@ -71,15 +71,23 @@ def test_operator_alignment_every_kernel(tiny, dtype):
 
 def test_operator_alignment_float16_reports_what_this_cpu_cannot_pack(tiny):
     # float16 oneDNN packing needs AVX512-FP16 / AVX-NE-CONVERT; without them the packed MoE kernel is
-    # reported as not runnable here, and every other kernel is still checked. The tiled MoE kernel runs
-    # float32 and bfloat16 only, the tiled linear float32 only: both always reported for float16.
+    # reported as not runnable here, and every other kernel is still checked. The tiled MoE kernel and the
+    # tiled linear run float16 where the build's vector layer converts it (F16C, AVX-512), the linear only
+    # where oneDNN has no native float16 linear: each reported where it does not run.
+    from adapt.runtime import cpu_kernels
+    from adapt.runtime.kernels.linear_tiled import linear_tiles
     from adapt.runtime.kernels.moe_experts import onednn_packs
+    from adapt.runtime.kernels.moe_tiled import tiles
 
+    cpu_kernels.load()
     out = operator_alignment({"kernels": "all"}, {}, _ctx(tiny, "float16"))
-    unsupported = 0 if onednn_packs(torch.float16) else 1
-    assert out.metrics["kernels_unsupported_here"] == unsupported + 2  # + the tiled MoE kernel and linear
-    assert ("moe_experts_packed" in out.message) == bool(unsupported) and "moe_experts_tiled" in out.message
-    assert "linear_tiled" in out.message
+    packed = not onednn_packs(torch.float16)
+    tiled, linear = not tiles(128, 64, torch.float16), not linear_tiles(128, 96, torch.float16)
+    assert out.metrics["kernels_unsupported_here"] == packed + tiled + linear, out.message
+    assert ("moe_experts_packed" in out.message) == packed and ("moe_experts_tiled" in out.message) == tiled
+    assert ("linear_tiled" in out.message) == linear
+    if not linear:
+        assert "linear_tiled.max_abs" in out.metrics or "linear_tiled[fused].max_abs" in out.metrics, out.metrics
     assert out.metrics["max_abs_vs_torch_ratio"] <= 2.0
 
 

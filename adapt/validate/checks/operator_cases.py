@@ -78,7 +78,8 @@ def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh
 
                 if not linear_tiles(y.shape[0], y.shape[1], y.dtype):
                     dt = str(y.dtype).replace("torch.", "")
-                    raise UnsupportedCase(f"the tiled linear runs float32 only, with a vector layer; not {dt} here")
+                    raise UnsupportedCase(f"the tiled linear does not take {dt} here (float32, and 16-bit types "
+                                          "where oneDNN has no native linear for them, with a vector layer)")
                 y = pack_linear(y, tiled_panel(y.dtype))
             if i in transposed:
                 y = y.transpose(1, 2).contiguous().transpose(1, 2)
