@@ -9,6 +9,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from adapt.runtime.kernels.moe_experts import onednn_packs
 from adapt.runtime.kernels.moe_routing import (
     deepseek_v2_topk,
     deepseek_v2_topk_ref,
@@ -171,16 +172,18 @@ def test_topk_rows_flags_what_it_cannot_decide():
         ext.topk_rows(x.double(), 2)
 
 
-def test_bfloat16_router_logits_round_once_from_float32_sums():
-    # bfloat16 logits: float32 sums rounded once, whichever GEMM runs (F.linear's bf16 path where oneDNN has bf16
-    # dot products; float32's GEMM elsewhere), so within the 2x rule of torch's own bf16 F.linear
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_router_logits_round_once_from_float32_sums(dtype):
+    # 16-bit logits: float32 sums rounded once, whichever GEMM runs (F.linear's 16-bit path where oneDNN has
+    # native 16-bit dot products; float32's GEMM elsewhere), so within the 2x rule of torch's own F.linear
     import torch.nn.functional as F
 
     from ._tol import assert_lowp_close
 
     g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(37, 96, generator=g), torch.randn(8, 96, generator=g) * 0.1
-    out = router_logits(x.bfloat16(), w.bfloat16(), float32=False)
-    assert out.dtype == torch.bfloat16 and out.shape == (37, 8)
-    assert_lowp_close(out, F.linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16().float(), w.bfloat16().float()),
-                      "router bf16")
+    x, w = torch.randn(37, 96, generator=g).to(dtype), (torch.randn(8, 96, generator=g) * 0.1).to(dtype)
+    out = router_logits(x, w, float32=False)
+    assert out.dtype == dtype and out.shape == (37, 8)
+    assert_lowp_close(out, F.linear(x, w), F.linear(x.float(), w.float()), f"router {dtype}")
+    if x.device.type == "cpu" and not onednn_packs(dtype):
+        assert torch.equal(out, F.linear(x.float(), w.float()).to(dtype))
