@@ -42,14 +42,16 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 def _topk_sorted(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(probs, k, dim=-1) (sorted), float32 [T, E]: on the CPU by the fused kernels' one-pass
-    selection where every row's result is decided without a tie (the same values and ids); torch.topk
-    otherwise, so that ties keep torch's order."""
+    selection for every row whose result is decided without a tie (the same values and ids); torch.topk on
+    the other rows (torch.topk works row by row), so that ties keep torch's order."""
     ext = fused.module()
     if (ext is not None and probs.device.type == "cpu" and probs.dim() == 2 and 0 < k <= probs.shape[1]
             and not probs.requires_grad):
-        values, ids, exact = ext.topk_rows(probs.contiguous(), k)
-        if exact:
-            return values, ids
+        probs = probs.contiguous()
+        values, ids, undecided = ext.topk_rows(probs, k)
+        if undecided.numel():
+            values[undecided], ids[undecided] = torch.topk(probs[undecided], k, dim=-1)
+        return values, ids
     return torch.topk(probs, k, dim=-1)
 
 

@@ -142,6 +142,9 @@ def _topk_cases():
     nan = torch.softmax(torch.randn(8, 16, generator=g), dim=-1)
     nan[1, 3] = float("nan")
     yield "nan", nan, 2
+    # bfloat16 logits: many rows with ties, among rows without (each undecided row redone by torch.topk)
+    logits = (torch.randn(512, 32, generator=g) * 0.3).to(torch.bfloat16)
+    yield "bfloat16 logits", torch.softmax(logits, dim=-1, dtype=torch.float32), 4
 
 
 @pytest.mark.parametrize("case", list(_topk_cases()), ids=lambda c: c[0])
@@ -161,11 +164,13 @@ def test_topk_rows_flags_what_it_cannot_decide():
     if ext is None:
         pytest.skip(f"fused CPU kernels {cpu_kernels.status()}")
     x = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.5, 0.1, 0.3, 0.1]])
-    v, i, exact = ext.topk_rows(x, 2)
-    assert exact and torch.equal(i, torch.tensor([[1, 2], [0, 2]])) and torch.equal(v, x.gather(1, i))
-    assert not ext.topk_rows(x, 3)[2]  # row 1: its 3rd best (0.1) equals the best left out
-    assert ext.topk_rows(x, 4)[2] is False  # row 1 holds two equal values among the chosen
-    assert not ext.topk_rows(torch.tensor([[0.1, float("nan"), 0.3]]), 1)[2]
+    v, i, undecided = ext.topk_rows(x, 2)
+    assert undecided.tolist() == [] and torch.equal(i, torch.tensor([[1, 2], [0, 2]]))
+    assert torch.equal(v, x.gather(1, i))
+    assert ext.topk_rows(x, 3)[2].tolist() == [1]  # row 1: its 3rd best (0.1) equals the best left out
+    assert ext.topk_rows(x, 4)[2].tolist() == [1]  # row 1 holds two equal values among the chosen
+    nan = torch.tensor([[0.1, 0.2, 0.3], [0.1, float("nan"), 0.3], [0.3, 0.2, 0.1]])
+    assert ext.topk_rows(nan, 1)[2].tolist() == [1]
     with pytest.raises(RuntimeError, match="1 <= K <= E"):
         ext.topk_rows(x, 5)
     with pytest.raises(RuntimeError, match="float32"):

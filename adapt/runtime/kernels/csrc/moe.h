@@ -52,13 +52,15 @@ std::vector<torch::Tensor> moe_pad_gather(torch::Tensor x, torch::Tensor order, 
   return {xp, pos};
 }
 
-// The K largest of each row of x [T, E] float32, descending: (values [T, K], int64 ids [T, K], exact). One pass
-// per row keeps the K best in order; torch.topk's CPU loop (nth_element, then a sort, per row) took 150 us
-// for [512, 32], K 4. exact is false when some row has a NaN or a tie that decides which ids are chosen or in
-// what order (equal values among the chosen, or the K-th equal to the best not chosen): torch.topk orders
-// those by its own algorithm, so the caller falls back to it and the ids stay torch's. Rows with nothing to
-// break are torch's result (same values, same ids, same order).
-std::tuple<torch::Tensor, torch::Tensor, bool> topk_rows(torch::Tensor x, int64_t K) {
+// The K largest of each row of x [T, E] float32, descending: (values [T, K], int64 ids [T, K], undecided
+// rows [U] int64). One pass per row keeps the K best in order; torch.topk's CPU loop (nth_element, then a
+// sort, per row) took 150 us for [512, 32], K 4. A row is undecided when it has a NaN or a tie that decides
+// which ids are chosen or in what order (equal values among the chosen, or the K-th equal to the best not
+// chosen): torch.topk orders those by its own algorithm, row by row, so the caller redoes those rows with it
+// and the ids stay torch's. (Bfloat16 logits tie often: 512 rows of the bench's router had some such row in
+// every call, and the whole call fell back to torch.topk.) Other rows are torch's result (same values, same
+// ids, same order).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> topk_rows(torch::Tensor x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "topk_rows: contiguous float32 x [T, E]");
   const int64_t T = x.size(0), E = x.size(1);
@@ -68,10 +70,10 @@ std::tuple<torch::Tensor, torch::Tensor, bool> topk_rows(torch::Tensor x, int64_
   const float* xp = x.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
-  std::atomic<bool> exact{true};
+  std::vector<uint8_t> undecided(T, 0);
   at::parallel_for(0, T, grain(E * 8), [&](int64_t t0, int64_t t1) {
-    bool ok = true;
     for (int64_t t = t0; t < t1; ++t) {
+      bool ok = true;
       const float* row = xp + t * E;
       float* v = vp + t * K;
       int64_t* id = ip + t * K;
@@ -96,10 +98,15 @@ std::tuple<torch::Tensor, torch::Tensor, bool> topk_rows(torch::Tensor x, int64_
       }
       for (int64_t i = 0; i + 1 < K; ++i) ok = ok && v[i] != v[i + 1];
       ok = ok && !(any_out && out == v[K - 1]);
+      undecided[t] = !ok;
     }
-    if (!ok) exact.store(false, std::memory_order_relaxed);
   });
-  return {values, ids, exact.load()};
+  std::vector<int64_t> rows;
+  for (int64_t t = 0; t < T; ++t)
+    if (undecided[t]) rows.push_back(t);
+  auto out_rows = torch::empty({(int64_t)rows.size()}, x.options().dtype(at::kLong));
+  std::copy(rows.begin(), rows.end(), out_rows.data_ptr<int64_t>());
+  return {values, ids, out_rows};
 }
 
 // op[t] = sum over k with pos[t * K + k] >= 0 of w[t, k] * yp[pos], float32 in k order, rounded once to X
