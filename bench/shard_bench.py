@@ -157,6 +157,10 @@ def main() -> None:
     if a.make:
         print(json.dumps(make_checkpoint(Path(a.make), a.gb)))
         return
+    if a.dir is not None and not Path(a.dir).is_dir():
+        ap.error(f"--dir {a.dir}: no such directory")
+    if a.checkpoint is not None and not Path(a.checkpoint).is_dir():
+        ap.error(f"--checkpoint {a.checkpoint}: no such directory")
     root = Path(tempfile.mkdtemp(prefix="adapt-shard-bench-", dir=a.dir))
     try:
         if a.checkpoint:
