@@ -117,6 +117,20 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
+// A GEMM's row blocks share out the prefetch of the panel that follows (pf, pf_all 64-byte lines): block rb
+// takes at most ceil(pf_all / blocks) lines, from its own first one. (q, lines); (nullptr, 0) without pf.
+template <typename W>
+struct PrefetchShare {
+  const W* q;
+  int64_t lines;
+};
+template <typename W>
+inline PrefetchShare<W> prefetch_share(const W* pf, int64_t pf_all, int64_t blocks, int64_t rb) {
+  if (!pf) return {nullptr, 0};
+  const int64_t per = (pf_all + blocks - 1) / blocks, first = rb * per;
+  return {pf + first * (64 / (int64_t)sizeof(W)), std::max<int64_t>(0, std::min(per, pf_all - first))};
+}
+
 #ifdef ADAPT_VW
 // registers: MR * NV accumulators + NV vectors of B + 1 broadcast (32 with AVX-512, 16 with AVX2)
 // AVX-512: 6 rows x 4 vectors (64 columns); 12 x 2 was 5-8% slower at 512 tokens (A/B in one process)
@@ -199,24 +213,16 @@ inline void fma_gemm(const float* A, int64_t M, int64_t K, const W* B, int64_t N
     // at 16 and 512 tokens (A/B in one process); two or more panels ahead was slower (3-8% at 512 tokens)
     const W* pf = !last ? b + K * FMA_NR : next;
     const int64_t pf_all = !last ? lines : next_k * FMA_NR / per_line;
-    const int64_t pf_per = (pf_all + blocks - 1) / blocks;
     const float* bn = bias ? bias + n0 : nullptr;
-    auto share = [&](int64_t rb, const W*& q) {
-      const int64_t first = rb * pf_per;
-      q = pf ? pf + first * per_line : nullptr;
-      return pf ? std::max<int64_t>(0, std::min(pf_per, pf_all - first)) : 0;
-    };
     int64_t m0 = 0, rb = 0;
     for (; m0 + FMA_MR <= M; m0 += FMA_MR, ++rb) {
-      const W* q;
-      const int64_t nl = share(rb, q);
-      fma_block<FMA_MR>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, bn, q, nl);
+      const auto sh = prefetch_share(pf, pf_all, blocks, rb);
+      fma_block<FMA_MR>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, bn, sh.q, sh.lines);
     }
     if (m0 < M) {
-      const W* q;
-      const int64_t nl = share(rb, q);
+      const auto sh = prefetch_share(pf, pf_all, blocks, rb);
       with_rows<FMA_MR - 1>(M - m0, [&](auto r) {
-        fma_block<decltype(r)::value>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, bn, q, nl);
+        fma_block<decltype(r)::value>(A + m0 * K, K, b, C + m0 * ldc + n0, ldc, bn, sh.q, sh.lines);
       });
     }
   }
@@ -243,9 +249,9 @@ inline void dp_block(const bf16* A, int64_t K, const bf16* b, int64_t bstride, O
   const char* pq = reinterpret_cast<const char*>(pf);
   const int64_t KP = K / 2;
   int64_t due = 0;
-  // four k pairs per prefetch check (as fma_block; one per pair was 4.45 -> 4.85 ms at 512 tokens)
-  int64_t kp = 0;
-  for (; kp + 4 <= KP; kp += 4) {
+  // four k pairs per prefetch check (as fma_block; one per pair was 4.45 -> 4.85 ms at 512 tokens); the vnni
+  // layout's K is a multiple of 32, so KP one of 16 and there is no tail
+  for (int64_t kp = 0; kp < KP; kp += 4) {
     for (due += 4 * pf_lines; due >= KP; due -= KP, pq += 64) _mm_prefetch(pq, _MM_HINT_T1);
 #pragma GCC unroll 4
     for (int64_t kk = kp; kk < kp + 4; ++kk) {
@@ -259,26 +265,18 @@ inline void dp_block(const bf16* A, int64_t K, const bf16* b, int64_t bstride, O
       }
     }
   }
-  for (; kp < KP; ++kp) {
-    for (due += pf_lines; due >= KP; due -= KP, pq += 64) _mm_prefetch(pq, _MM_HINT_T1);
-    __m512bh v[DP_NB];
-    for (int j = 0; j < DP_NB; ++j) v[j] = (__m512bh)_mm512_loadu_si512(b + j * bstride + kp * 32);
-    for (int r = 0; r < MR; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, A + r * K + 2 * kp, 4);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < DP_NB; ++j) c[r][j] = _mm512_dpbf16_ps(c[r][j], a, v[j]);
-    }
-  }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < DP_NB; ++j) vstore(C + r * ldc + 16 * j, c[r][j]);
 }
 
 
 // C [M, N] (float32, or bfloat16 rounded once) = A [M, K] bf16 @ B^T, B vnni-packed [N / 16, K / 32, 16, 32] (the
-// AMX layout), N % 32 == 0. Panels of 32 columns outer; their row blocks share out the next panel's prefetch.
+// AMX layout), N % 32 == 0, K % 32 == 0. Panels of 32 columns outer; their row blocks share out the next
+// panel's prefetch.
+// Kept out of line: inlined into moe_experts_tiled's task loop, GCC's code for the 12-row block ran the call
+// at 2.2x its time (10 against 4.6 ms at 512 tokens)
 template <typename O>
-inline void dp_gemm(const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t N, O* C, int64_t ldc,
+__attribute__((noinline)) void dp_gemm(const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t N, O* C, int64_t ldc,
                     const bf16* next = nullptr, int64_t next_k = 0) {
   constexpr int64_t NC = 16 * DP_NB;
   const int64_t bs = K * 16, blocks = (M + DP_MR - 1) / DP_MR;  // bs: elements of one 16-column block
@@ -286,11 +284,10 @@ inline void dp_gemm(const bf16* A, int64_t M, int64_t K, const bf16* B, int64_t 
     const bf16* b = B + n0 * K;
     const bool last = n0 + NC >= N;  // the last panel prefetches the first of the GEMM that follows, if any
     const bf16* pf = !last ? b + NC * K : next;
-    const int64_t pf_all = !pf ? 0 : (last ? next_k : K) * NC * 2 / 64, pf_per = (pf_all + blocks - 1) / blocks;
+    const int64_t pf_all = (last ? next_k : K) * NC * 2 / 64;  // 64-byte lines of that panel
     auto block = [&](auto rows, int64_t m0, int64_t rb) {
-      const int64_t first = rb * pf_per, nl = std::max<int64_t>(0, std::min(pf_per, pf_all - first));
-      dp_block<decltype(rows)::value>(A + m0 * K, K, b, bs, C + m0 * ldc + n0, ldc, pf ? pf + first * 32 : nullptr,
-                                      nl);
+      const auto sh = prefetch_share(pf, pf_all, blocks, rb);
+      dp_block<decltype(rows)::value>(A + m0 * K, K, b, bs, C + m0 * ldc + n0, ldc, sh.q, sh.lines);
     };
     int64_t m0 = 0, rb = 0;
     for (; m0 + DP_MR <= M; m0 += DP_MR, ++rb) block(std::integral_constant<int, DP_MR>{}, m0, rb);
