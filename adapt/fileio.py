@@ -12,6 +12,11 @@ import yaml
 from adapt.errors import AdaptError
 
 
+def cache_root() -> Path:
+    """$ADAPT_CACHE, or ~/.cache/adapt."""
+    return Path(os.environ.get("ADAPT_CACHE") or Path.home() / ".cache" / "adapt").expanduser()
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> None:
     """Write to a temporary file beside path, fsync, then rename: a reader sees the old file or the whole
     new one, never a part."""

@@ -88,7 +88,8 @@ def run_cmd(
     emit(f"sharded {ckpt} -> {out}: tp{d['tp']} pp{d['pp']} ep{d['ep']} dp{d['dp']}, {s['world_size']} ranks, "
          f"{s['files']} files ({s['files_written']} written, {s['files_kept']} kept), "
          f"{s['bytes_total'] / 1e9:.3f} GB, {s['seconds']:.2f} s, {s['gb_per_s']:.2f} GB/s, dtype {s['dtype']}, "
-         f"{s['workers']} worker{'s' if s['workers'] != 1 else ''}" + (f", {s['io']}" if s["io"] else ""), None)
+         f"{s['workers']} worker{'s' if s['workers'] != 1 else ''}" + (f", {s['io']}" if s["io"] else "")
+         + (f", sha256: {s['hash']}" if s["hash"] else ""), None)
 
 
 @shard_app.command("verify", help="Check OUT against its manifest (completeness, sizes, sha256); with --source, "

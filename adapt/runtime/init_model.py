@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from adapt.builtin import BUILTIN_CONFIGS, builtin_config
 from adapt.errors import AdaptError, ModelNotFoundError
+from adapt.fileio import cache_root
 from adapt.layout import TensorSpec, WeightLayout
 from adapt.runtime.tiny_tokenizer import build_tiny_tokenizer
 from adapt.spec import ModelSpec
@@ -83,11 +84,6 @@ def _write(cfg: dict, name: str, out: Path, seed: int) -> None:
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} | {"do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     build_tiny_tokenizer(out, vocab_size=spec.vocab_size)
-
-
-def cache_root() -> Path:
-    """$ADAPT_CACHE, or ~/.cache/adapt."""
-    return Path(os.environ.get("ADAPT_CACHE") or Path.home() / ".cache" / "adapt").expanduser()
 
 
 def builtin_checkpoint(name: str) -> Path:

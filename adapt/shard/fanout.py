@@ -15,7 +15,6 @@ memory budget, when the scan reaches them.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,7 +26,8 @@ from adapt.shard.manifest import OutputFile, OutputTensor
 from adapt.shard.planner import scale_blocks
 from adapt.shard.stream import ByteSlice, buffers, pread_into
 from adapt.shard.transform import cast, dequant_slice
-from adapt.shard.writer import ALIGN, STAGE, StreamedFile, io_pool, sha256_file, tensor_bytes
+from adapt.shard.hashing import Batch, Sha256, sha256_file
+from adapt.shard.writer import ALIGN, STAGE, StreamedFile, io_pool, tensor_bytes
 
 # Runs at least this long are written straight from the read buffer; shorter ones are gathered first, by a
 # slice copy per run down to GATHER_LOOP bytes, below that with one numpy strided copy.
@@ -94,12 +94,14 @@ class _SourceHash:
     """A source file's sha256, fed in file order. With ``lane`` (a core to spare: fewer units running than
     cores), every update runs on a helper thread while the unit goes on with the writes; the unit then reads
     into a ring of buffers (``buffer``), each reused only once its update is done. One unit alone, tp=1, hashed
-    the source and its output one after the other on one core without it."""
+    the source and its output one after the other on one core without it. Without a lane, updates go through
+    the unit's ``batch``, hashed beside its output files' (two streams at a time: hashing.Batch)."""
 
     RING = 4
 
-    def __init__(self, lane: bool):
-        self.h = hashlib.sha256()
+    def __init__(self, lane: bool, batch: Batch | None):
+        self.h = Sha256()
+        self.batch = batch
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapt-src-sha") if lane else None
         self.ring: list[memoryview] = []  # allocated on first use, of the unit's read-buffer size
         self.futs: list = [None] * self.RING
@@ -123,7 +125,10 @@ class _SourceHash:
 
     def update(self, view: memoryview) -> None:
         if self.pool is None:
-            self.h.update(view)
+            if self.batch is not None:
+                self.batch.add(self.h, view)
+            else:
+                self.h.update(view)
             return
         j = self.i % self.RING
         if not self.ring or view.obj is not self.ring[j].obj:  # not a ring buffer: hash it now
@@ -141,6 +146,8 @@ class _SourceHash:
 
     def hexdigest(self) -> str:
         self._drain()
+        if self.batch is not None:
+            self.batch.flush()
         return self.h.hexdigest()
 
     def close(self) -> None:
@@ -246,8 +253,13 @@ class _UnitRun:
         self.acquire, self.release, self.on_file = acquire, release, on_file
         ranks = len({f.rank for f in unit.files if f.path not in unit.kept})
         stage = max(STAGE_MIN, min(STAGE, STAGING // max(1, ranks) // ALIGN * ALIGN)) if direct else 0
+        # Without lanes, every hash update of this unit (source and outputs) is batched and hashed at the end of
+        # each chunk, two streams at a time: the buffers it names (the read buffer, each use's gather buffer,
+        # cast results, staging) keep their bytes until then.
+        self.batch = None if overlap else Batch()
         self.outs = [_Out(f, StreamedFile(out_dir / f.path, [(t.name, t.dtype, t.shape) for t in f.tensors],
-                                          overlap, on_bytes, stage), f.path in unit.kept) for f in unit.files]
+                                          overlap, on_bytes, stage, self.batch), f.path in unit.kept)
+                     for f in unit.files]
         self.uses: dict[str, list[_Use]] = {}
         self.commits: list = []  # futures of the files handed to the committer threads
         for o in self.outs:
@@ -283,12 +295,17 @@ class _UnitRun:
                 raise ShardError(f"internal: {o.file.path} was not completed")
         return digest
 
+    def _flush(self) -> None:
+        if self.batch is not None:
+            self.batch.flush()
+
     def _ended(self, u: _Use) -> None:
         """After one output tensor: when that was its file's last, commit the file on a committer thread (see
         run_unit), while this unit reads on: the fsync waits for the device, and on a slow one (a 0.4 GB/s virtual
         disk) a unit that waited for it left the device idle between its files while it read and hashed the next
         one's bytes."""
         if u.out.writer.complete:
+            self._flush()  # its last bytes hashed before the committer reads its digest
             self.commits.append(io_pool("adapt-commit", COMMITTERS).submit(self._commit, u.out))
 
     def _commit(self, o: _Out) -> None:
@@ -300,6 +317,7 @@ class _UnitRun:
         held = self.acquire(slice_cost(u.t, self.ckpt))
         try:
             u.out.writer.tensor(produce(self.ckpt, u.t, self.block))
+            self._flush()
         finally:
             self.release(held)
         self._ended(u)
@@ -312,7 +330,7 @@ class _UnitRun:
                 for u in self.uses.get(name, []):
                     self._whole(u)
             return digest
-        h = _SourceHash(self.overlap) if unit.hash_source else None
+        h = _SourceHash(self.overlap, self.batch) if unit.hash_source else None
         try:
             return self._scan_file(h)
         finally:
@@ -323,6 +341,7 @@ class _UnitRun:
         ckpt, unit = self.ckpt, self.unit
         fd = ckpt.fd(unit.source_file)
         rbuf, gbuf = buffers()
+        self.gbufs = [gbuf]  # a gather buffer per use of a chunk: all of them are hashed at the chunk's end
         pos = 0
         order = sorted((t for t in ckpt.tensors.values() if t.file == unit.source_file),
                        key=lambda t: (t.offset, t.name))
@@ -372,6 +391,8 @@ class _UnitRun:
         if strided:  # chunks of whole rows: each holds whole runs of the slice, gathered in one copy
             size = size // strided[0] * strided[0]
             lo -= lo % strided[0]
+        while len(self.gbufs) < len(stream):
+            self.gbufs.append(memoryview(bytearray(gbuf.nbytes)))
         for a in range(lo, hi, size):
             b = min(a + size, hi)
             sole = None if h is not None and h.lane else _sole_reader(stream, casts, a, b)
@@ -382,6 +403,7 @@ class _UnitRun:
                     if h is not None:
                         h.update(view)
                     w.commit(view)
+                    self._flush()  # the next reserve may hand out this staging buffer's twin, and then it again
                     pos += view.nbytes
                 view = None
                 if pos == b:
@@ -391,9 +413,10 @@ class _UnitRun:
             pread_into(fd, view, src.offset + a)
             if h is not None:
                 h.update(view)
-            for u, c in zip(stream, casts):
-                for piece in chunk_pieces(u.bs, a, b, view, gbuf):
+            for u, c, g in zip(stream, casts, self.gbufs):
+                for piece in chunk_pieces(u.bs, a, b, view, g):
                     u.out.writer.append(c(piece) if c else piece)
+            self._flush()  # before rbuf and the gather buffers are filled again
         for u in stream:
             u.out.writer.end_tensor()
             self._ended(u)
@@ -425,5 +448,7 @@ def _hash_gap(fd: int, h: _SourceHash, pos: int, end: int, rbuf: memoryview) -> 
         view = h.buffer(rbuf)[:n]
         pread_into(fd, view, pos)
         h.update(view)
+        if h.batch is not None:
+            h.batch.flush()
         pos += n
     return pos

@@ -30,7 +30,9 @@ from adapt.shard.iomode import direct_io, env_mode
 from adapt.shard.planner import DEFAULT_MAX_FILE_SIZE, plan_outputs
 from adapt.shard.transform import DTYPE_CHOICES, target_dtype
 from adapt.shard.source_hash import hashed_digest, recorded_digest
-from adapt.shard.writer import AtomicFile, remove_stale_tmp, sha256_file, write_bytes
+from adapt.shard import hashing
+from adapt.shard.hashing import sha256_files
+from adapt.shard.writer import AtomicFile, remove_stale_tmp, write_bytes
 from adapt.spec import ModelSpec
 from adapt.source import read_config
 
@@ -53,13 +55,15 @@ class ShardResult:
     seconds: float
     workers: int = 1
     io: str = ""  # how large files reached the device, and why (iomode.direct_io)
+    hash: str = ""  # which sha256 hashed them (hashing.status)
 
     def to_dict(self) -> dict:
         gbps = self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else 0.0
         return dict(out=str(self.out_dir), plan=self.manifest.plan["degrees"], world_size=self.manifest.world_size,
                     files=len(self.manifest.files), files_written=self.files_written, files_kept=self.files_kept,
                     bytes_written=self.bytes_written, bytes_total=self.bytes_total, seconds=round(self.seconds, 3),
-                    gb_per_s=round(gbps, 3), dtype=self.manifest.dtype, workers=self.workers, io=self.io)
+                    gb_per_s=round(gbps, 3), dtype=self.manifest.dtype, workers=self.workers, io=self.io,
+                    hash=self.hash)
 
 
 class Budget:
@@ -153,12 +157,12 @@ def plan_units(ckpt: Checkpoint, files: list[OutputFile], world: int, workers: i
     units = []
     for src in ckpt.files:
         groups = min(world, max(base, 2)) if src in tail else base
-        hashing = src in rehash
+        hash_it = src in rehash
         for g in range(groups):
             part = [f for f in by_src[src] if f.rank * groups // world == g]
-            if part or hashing:
-                units.append(Unit(src, part, hashing, sum(f.nbytes for f in part) + (size[src] if hashing else 0)))
-                hashing = False
+            if part or hash_it:
+                units.append(Unit(src, part, hash_it, sum(f.nbytes for f in part) + (size[src] if hash_it else 0)))
+                hash_it = False
     return sorted(units, key=lambda u: -u.cost)
 
 
@@ -209,7 +213,8 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         raise ShardError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     if workers < 0:
         raise ShardError(f"--workers must be 0 (auto) or more, got {workers}")
-    env_mode()  # a bad ADAPT_SHARD_DIRECT is an error before OUT is touched
+    env_mode()  # a bad ADAPT_SHARD_DIRECT or ADAPT_SHARD_SHA is an error before OUT is touched
+    hashing.native()  # and the native sha256 is built (once per host) or its absence stated
     cfg = read_config(Path(src_dir) / "config.json")
     spec = ModelSpec.from_hf_config(cfg, name=src_dir.name)
     layout = WeightLayout.from_spec(spec)
@@ -272,17 +277,13 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         d = recorded_digest(src_dir / name, src_stat[name], known_src.get(name), trust_hub_cache)
         if d is not None:
             src_entries[name] = dict(name=name, **d)
-    def still_good(f: OutputFile) -> bool:  # an output a journal or old manifest vouches for, if it hashes the same
-        k, path = known.get(f.path), out / f.path
-        return bool(k and path.is_file() and path.stat().st_size == k["size"] and sha256_file(path) == k["sha256"])
-
-    vouched = [f for f in files if f.path in known]
-    with ThreadPoolExecutor(max_workers=workers or auto_workers(len(vouched))) as pool:  # a resume re-hashes them
-        for f, good in zip(vouched, pool.map(still_good, vouched)):
-            if good:
-                k = known[f.path]
-                done[f.path] = replace(f, size=k["size"], sha256=k["sha256"])
-                tick(f.nbytes, total)
+    # outputs a journal or an old manifest vouches for are kept if they are there, of their size, and hash the same
+    vouched = [f for f in files if f.path in known and (out / f.path).is_file()
+               and (out / f.path).stat().st_size == known[f.path]["size"]]
+    for f, got in zip(vouched, sha256_files([out / f.path for f in vouched], workers or usable_cores())):
+        if got == known[f.path]["sha256"]:
+            done[f.path] = replace(f, size=known[f.path]["size"], sha256=got)
+            tick(f.nbytes, total)
     direct, io = direct_io(out, max((f.nbytes for f in files if f.path not in done), default=0))
     units = plan_units(ckpt, files, plan.world_size, workers or auto_workers(1 << 30),
                        set(ckpt.files) - set(src_entries))
@@ -330,7 +331,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         mf.write(manifest.to_json().encode())
     (out / JOURNAL).unlink(missing_ok=True)
     return ShardResult(out, manifest, written[0], len(files) - written[0], written[1], total,
-                       time.perf_counter() - t0, workers, io)
+                       time.perf_counter() - t0, workers, io, hashing.status())
 
 
 def _copy_side_files(src: Path, out: Path, cfg: dict, dtype: str) -> list[dict]:

@@ -25,7 +25,7 @@ import os
 import re
 from pathlib import Path
 
-from adapt.shard.writer import sha256_file
+from adapt.shard.hashing import sha256_file
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 

@@ -22,7 +22,7 @@ from adapt.shard.checkpoint import IGNORED_SUFFIXES, open_checkpoint
 from adapt.shard.header import read_header
 from adapt.shard.manifest import Manifest, OutputTensor, check_rel_path, load_manifest
 from adapt.shard.transform import reference_dequant
-from adapt.shard.writer import sha256_file
+from adapt.shard.hashing import sha256_file, sha256_files
 from adapt.spec import ModelSpec
 
 if TYPE_CHECKING:  # torch is loaded only when --source re-assembles tensors, so `adapt shard` starts fast
@@ -117,12 +117,14 @@ def _check_files(m: Manifest, out: Path, rep: VerifyReport) -> set[str]:
         for p in sorted((out / d).glob("*.safetensors")):
             if f"{d}/{p.name}" not in listed:
                 rep.add("extra-file", f"{d}/{p.name}", "not in the manifest")
+    digests = _digests(out, [(e["path"], e["size"], "file") for e in m.extra_files] +
+                       [(f.path, f.size, "rank") for f in m.files])
     for e in m.extra_files:
-        _check_one(out, e["path"], e["size"], e["sha256"], rep, "file")
+        _check_one(out, e["path"], e["size"], e["sha256"], rep, "file", digests)
     for f in m.files:
         rep.files_checked += 1
         path = check_rel_path(f.path, out, "rank")
-        if not _check_one(out, f.path, f.size, f.sha256, rep, "rank"):
+        if not _check_one(out, f.path, f.size, f.sha256, rep, "rank", digests):
             if not path.is_file():
                 continue
         else:
@@ -146,7 +148,19 @@ def _check_files(m: Manifest, out: Path, rep: VerifyReport) -> set[str]:
     return good
 
 
-def _check_one(out: Path, rel: str, size: int, sha: str, rep: VerifyReport, kind: str) -> bool:
+def _digests(out: Path, entries: list[tuple[str, int, str]]) -> dict[str, str | OSError]:
+    """The sha256 of every listed file that is present with its listed size, hashed together (several
+    threads, two files each at a time: hashing.sha256_files)."""
+    todo = {}
+    for rel, size, kind in entries:
+        path = check_rel_path(rel, out, kind)
+        if path.is_file() and path.stat().st_size == size:
+            todo[rel] = path
+    return dict(zip(todo, sha256_files(list(todo.values()))))
+
+
+def _check_one(out: Path, rel: str, size: int, sha: str, rep: VerifyReport, kind: str,
+               digests: dict[str, str | OSError]) -> bool:
     path = check_rel_path(rel, out, kind)
     if not path.is_file():
         rep.add("missing", rel, "file is absent")
@@ -155,7 +169,13 @@ def _check_one(out: Path, rel: str, size: int, sha: str, rep: VerifyReport, kind
     if got != size:
         rep.add("size", rel, f"{got} bytes, manifest says {size}" + (" (truncated)" if got < size else ""))
         return False
-    if sha256_file(path) != sha:
+    got = digests.get(rel)
+    if got is None:  # changed since it was listed for hashing
+        got = sha256_file(path)
+    if isinstance(got, OSError):
+        rep.add("read", rel, f"cannot read: {got.strerror}")
+        return False
+    if got != sha:
         rep.add("sha256", rel, "content does not match its sha256")
         return False
     return True
@@ -178,11 +198,14 @@ def _check_source(m: Manifest, out: Path, src: Path, good: set[str], rep: Verify
     ckpt, _ = open_checkpoint(src, allow_pickle)
     rep.source_checked = True
     by_name = {s["name"]: s for s in m.source_files}
+    listed = [f for f in ckpt.files if f in by_name]
     for f in ckpt.files:
-        want = by_name.get(f)
-        if want is None:
+        if f not in by_name:
             rep.add("source", f, "source file not in the manifest")
-        elif sha256_file(src / f) != want["sha256"]:
+    for f, got in zip(listed, sha256_files([src / f for f in listed])):
+        if isinstance(got, OSError):
+            rep.add("source", f, f"cannot read: {got.strerror}")
+        elif got != by_name[f]["sha256"]:
             rep.add("source", f, "source file sha256 differs from the one sharded")
     pieces: dict[str, list[tuple[str, OutputTensor]]] = {}
     for f in m.files:

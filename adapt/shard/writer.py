@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import mmap
 import os
 import threading
@@ -25,13 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from adapt.errors import ShardError
+from adapt.shard.hashing import Batch, Sha256
 from adapt.shard.header import encode_header
 
 if TYPE_CHECKING:  # imported only where a tensor is handled: pure slicing never loads torch (~0.8 s)
     import torch
 
 TMP_MARK = ".adapt-tmp-"
-HASH_CHUNK = 1 << 20
 # With ``overlap`` (fewer writers than cores), a buffer at least this large is hashed on a lane thread while the
 # caller writes it to the page cache (both release the GIL), so the write costs max(write, hash), not the sum.
 # Without it the writer hashes inline, from its own core's cache: with one writer per core, handing the hash to a
@@ -180,11 +179,12 @@ def fsync_dir(path: Path) -> None:
 class AtomicFile:
     """``with AtomicFile(path) as f: f.write(b)``: hashed, fsynced and renamed on success, removed on error."""
 
-    def __init__(self, path: Path, overlap: bool = False, direct_stage: int = 0):
+    def __init__(self, path: Path, overlap: bool = False, direct_stage: int = 0, batch: Batch | None = None):
         self.path = Path(path)
         self.overlap = overlap
+        self.batch = batch  # hash through it: the caller flushes it before it reuses a buffer it wrote from
         self.tmp = tmp_name(self.path)
-        self.sha = hashlib.sha256()
+        self.sha = Sha256()
         self.size = 0
         self._wb = [0, 0]  # start of the window written back last, start of the one not yet
         self.stage = direct_stage - direct_stage % ALIGN
@@ -211,13 +211,16 @@ class AtomicFile:
         return self
 
     def write(self, data) -> None:
-        """Append ``data``; it is hashed from the same buffer it is written from, before this returns."""
+        """Append ``data``; it is hashed from the same buffer it is written from, before this returns (with a
+        batch: by its next flush)."""
         mv = memoryview(data).cast("B")
         # a lane only for page-cache writes: a direct write is a copy into staging, too short to hide a hash behind
         # (one unit, 2 cores, 2.1 GB: 2.6-2.8 s with lanes, 2.3 s without)
         lane = (_hash_lanes().submit(self.sha.update, mv)
                 if self.overlap and self.direct is None and mv.nbytes >= OVERLAP_MIN else None)
-        if lane is None:
+        if self.batch is not None:
+            self.batch.add(self.sha, mv)
+        elif lane is None:
             self.sha.update(mv)
         try:
             if self.direct is not None:
@@ -234,11 +237,15 @@ class AtomicFile:
 
     def reserve(self, n: int) -> memoryview | None:
         """Direct files: a view of up to ``n`` bytes of staging to fill in place, saving the copy ``write``
-        makes; ``commit(view)`` then appends (and hashes) it. None for page-cache files."""
+        makes; ``commit(view)`` then appends (and hashes) it. None for page-cache files. With a batch, flush it
+        before the next ``reserve``: the one after may hand out the same staging again."""
         return self.direct.reserve(n) if self.direct is not None and n > 0 else None
 
     def commit(self, view: memoryview) -> None:
-        self.sha.update(view)
+        if self.batch is not None:
+            self.batch.add(self.sha, view)  # flushed before this staging buffer is filled again
+        else:
+            self.sha.update(view)
         self.size += view.nbytes
         self.direct.commit(view.nbytes)
 
@@ -297,8 +304,9 @@ class StreamedFile:
     write; ``close`` commits it (fsync, rename) and returns (size, sha256); ``abort`` removes it."""
 
     def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], overlap: bool = False,
-                 on_bytes: Callable[[int], None] | None = None, stage: int = STAGE):
+                 on_bytes: Callable[[int], None] | None = None, stage: int = STAGE, batch: Batch | None = None):
         self.path, self.specs, self.overlap, self.on_bytes = Path(path), specs, overlap, on_bytes
+        self.batch = batch
         self.header, offs = encode_header(specs)
         self.sizes = [end - begin for begin, end in offs]
         total = len(self.header) + sum(self.sizes)
@@ -312,7 +320,7 @@ class StreamedFile:
 
     def _open(self) -> AtomicFile:
         if self.f is None:
-            self.f = AtomicFile(self.path, self.overlap, self.stage).__enter__()
+            self.f = AtomicFile(self.path, self.overlap, self.stage, self.batch).__enter__()
             self.f.write(self.header)
         return self.f
 
@@ -373,21 +381,6 @@ def write_bytes(path: Path, data: bytes) -> tuple[int, str]:
     with AtomicFile(path) as f:
         f.write(data)
     return f.size, f.sha256
-
-
-def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(HASH_CHUNK)
-    mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(mv[:n])
-            if on_bytes:
-                on_bytes(n)
-    return h.hexdigest()
 
 
 def remove_stale_tmp(dirs: Iterable[Path]) -> None:

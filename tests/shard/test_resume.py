@@ -11,7 +11,8 @@ import time
 
 from adapt.shard import load_manifest, shard, verify
 from adapt.shard.header import read_header
-from adapt.shard.writer import TMP_MARK, sha256_file
+from adapt.shard.hashing import sha256_file
+from adapt.shard.writer import TMP_MARK
 
 
 def _final_files(out):
