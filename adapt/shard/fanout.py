@@ -375,12 +375,50 @@ class _UnitRun:
         _hash_gap(fd, h, pos, ckpt.sizes[unit.source_file], rbuf)
         return h.hexdigest()
 
+    def _interleave(self, fd: int, src: SourceTensor, uses: list[_Use], rbuf: memoryview) -> None:
+        """Disjoint contiguous slices, the source not hashed (its sha256 on record, or another unit's job): two
+        slices at a time, a chunk of each per step, so that their files' hashes go two streams at a time (read in
+        order, a column-parallel tensor feeds one rank at a time and every hash would go alone). Each slice is
+        still read once, in order; a chunk lands in its file's staging where it can, else in a read buffer of its
+        own."""
+        size = rbuf.nbytes
+        while len(self.gbufs) < 2:
+            self.gbufs.append(memoryview(bytearray(rbuf.nbytes)))
+        bufs = (rbuf, self.gbufs[1])
+        todo = [[u, u.bs.offset, u.bs.offset + u.bs.nbytes] for u in uses]
+        lanes: list[list] = []
+        while todo or lanes:
+            while len(lanes) < 2 and todo:
+                lanes.append(todo.pop(0))
+            for k, lane in enumerate(lanes):
+                u, pos, end = lane
+                n = min(size, end - pos)
+                w = u.out.writer
+                view = w.reserve(n)
+                if view is not None:
+                    pread_into(fd, view, src.offset + pos)
+                    w.commit(view)
+                else:
+                    view = bufs[k][:n]
+                    pread_into(fd, view, src.offset + pos)
+                    w.append(view)
+                lane[1] = pos + view.nbytes
+            self._flush()  # before the read buffers, or a staging buffer handed out again, are reused
+            view = None
+            lanes = [lane for lane in lanes if lane[1] < lane[2]]
+
     def _stream(self, fd: int, src: SourceTensor, stream: list[_Use], h, rbuf: memoryview, gbuf: memoryview
                 ) -> None:
         """Read ``src`` in chunks (all of it when hashing, else the span its slices cover) and append each use's
         share of every chunk to its file."""
         casts = [_Caster(u.t.source_dtype, u.t.dtype) if u.t.transform == "cast" else None for u in stream]
         live = [u.bs for u in stream if u.bs.nbytes]
+        if h is None and self.batch is not None and _disjoint_runs(stream, casts):
+            self._interleave(fd, src, [u for u in stream if u.bs.nbytes], rbuf)
+            for u in stream:
+                u.out.writer.end_tensor()
+                self._ended(u)
+            return
         if h is not None:
             lo, hi = 0, src.nbytes
         else:
@@ -420,6 +458,15 @@ class _UnitRun:
         for u in stream:
             u.out.writer.end_tensor()
             self._ended(u)
+
+
+def _disjoint_runs(stream: list[_Use], casts: list) -> bool:
+    """Whether two or more uses take contiguous, raw, pairwise disjoint byte ranges (a column-parallel split)."""
+    spans = sorted((u.bs.offset, u.bs.offset + u.bs.nbytes) for u, c in zip(stream, casts)
+                   if u.bs.nbytes and u.bs.contiguous and c is None)
+    if len(spans) < 2 or len(spans) != sum(1 for u in stream if u.bs.nbytes):
+        return False
+    return all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
 
 
 def _sole_reader(stream: list[_Use], casts: list, a: int, b: int) -> _Use | None:
