@@ -122,21 +122,37 @@ def _recorded_digests_are_hashlibs(out, src) -> None:
         assert s["sha256"] == hashlib.sha256((src / s["name"]).read_bytes()).hexdigest(), s["name"]
 
 
+@pytest.mark.parametrize("hub", [False, True])
 @pytest.mark.parametrize("family,degrees", [("llama", dict(tp=2)), ("qwen2_moe", dict(tp=4, ep=2)),
                                             ("deepseek_v3", dict(tp=2, pp=2))])
-def test_shard_records_hashlib_digests(mode, tiny_ckpts, tmp_path, monkeypatch, family, degrees):
+def test_shard_records_hashlib_digests(mode, tiny_ckpts, tmp_path, monkeypatch, family, degrees, hub):
     """Small read chunks (many per tensor, rows split across them), several ranks' gathers per chunk, direct
     staging smaller than a chunk (a staging buffer handed out twice within one chunk): every recorded digest
-    is still hashlib's of the bytes on disk, for outputs and sources alike."""
+    is still hashlib's of the bytes on disk, for outputs and sources alike. With the sources' sha256 on
+    record (``hub``: as `hf download --local-dir` leaves them), column-parallel slices are streamed two at a
+    time (fanout._interleave), and the same holds."""
     ckpt = tiny_ckpts[family]
+    interleaved = []
+    if hub:
+        ckpt = shutil.copytree(ckpt, tmp_path / "local")
+        meta = ckpt / ".cache" / "huggingface" / "download"
+        meta.mkdir(parents=True)
+        for f in ckpt.glob("*.safetensors"):
+            digest = hashlib.sha256(f.read_bytes()).hexdigest()
+            (meta / f"{f.name}.metadata").write_text(f"{'a' * 40}\n{digest}\n{f.stat().st_mtime + 0.5}\n")
+        real = fanout._UnitRun._interleave
+        monkeypatch.setattr(fanout._UnitRun, "_interleave",
+                            lambda self, *a: interleaved.append(1) or real(self, *a))
     monkeypatch.setattr(stream, "CHUNK", 10_000)
     monkeypatch.setattr(writer, "DIRECT_MIN", 0)
     monkeypatch.setattr(fanout, "STAGE", 4096)
     monkeypatch.setattr(fanout, "STAGE_MIN", 4096)
     monkeypatch.setenv("ADAPT_SHARD_DIRECT", "1")
     out = tmp_path / "out"
-    r = shard(ckpt, out, max_file_size=20_000, trust_hub_cache=False, **degrees)
+    r = shard(ckpt, out, max_file_size=20_000, trust_hub_cache=hub, **degrees)
     assert r.hash == hashing.status() and r.hash.startswith(mode)
+    assert {s["sha256_from"] for s in r.manifest.source_files} == {"hub-local-dir" if hub else "hashed"}
+    assert bool(interleaved) == hub
     _recorded_digests_are_hashlibs(out, ckpt)
     assert verify(out, source=ckpt).ok
     # and the text summary says which sha256 ran
