@@ -16,143 +16,23 @@ memory budget, when the scan reaches them.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 from adapt.errors import ShardError
 from adapt.shard.checkpoint import Checkpoint, SourceTensor
 from adapt.shard.manifest import OutputFile, OutputTensor
 from adapt.shard.planner import scale_blocks
-from adapt.shard.stream import ByteSlice, buffers, pread_into
+from adapt.shard.stream import ByteSlice, buffers, chunk_pieces, pread_into
 from adapt.shard.transform import cast, dequant_slice
-from adapt.shard.hashing import Batch, Sha256, sha256_file
+from adapt.shard.hashing import Batch, SourceHash, sha256_file
 from adapt.shard.writer import ALIGN, STAGE, StreamedFile, io_pool, tensor_bytes
 
-# Runs at least this long are written straight from the read buffer; shorter ones are gathered first, by a
-# slice copy per run down to GATHER_LOOP bytes, below that with one numpy strided copy.
-GATHER_BELOW = 64 << 10
-GATHER_LOOP = 2048
 # O_DIRECT staging per unit: its ranks' files are open at once, each with two buffers of STAGING / ranks.
 STAGING, STAGE_MIN = 8 << 20, 256 << 10
 # threads that commit finished files (their last bytes, fsync, rename) while the units read on: waiting on the
 # device, not the CPU
 COMMITTERS = 8
-
-
-def chunk_pieces(bs: ByteSlice, a: int, b: int, buf: memoryview, gather: memoryview) -> Iterator[memoryview]:
-    """The bytes of slice ``bs`` that lie in [a, b) of the same byte space, in order, taken from ``buf`` (which
-    holds bytes a..b). Whole runs shorter than GATHER_BELOW are gathered into ``gather`` (at least b - a bytes),
-    valid until the next item."""
-    if bs.nbytes == 0 or b <= a:
-        return
-    if bs.contiguous:
-        s, e = max(a, bs.offset), min(b, bs.offset + bs.nbytes)
-        if s < e:
-            yield buf[s - a:e - a]
-        return
-    off, run, stride = bs.offset, bs.run, bs.stride
-    k0 = max(0, (a - off - run) // stride + 1)  # the first run ending after a
-    k1 = min(bs.outer, max(0, -(-(b - off) // stride)))  # one past the last run starting before b
-    if k0 >= k1:
-        return
-    full0, full1 = k0, k1  # the runs wholly inside [a, b)
-    head = off + k0 * stride < a
-    if head:  # the end of a run that began before a (all of the overlap when it also ends after b)
-        r = off + k0 * stride
-        yield buf[:min(b, r + run) - a]
-        full0 = k0 + 1
-    tail = k1 - 1 >= full0 and off + (k1 - 1) * stride + run > b  # the start of a run ending after b
-    if tail:
-        full1 = k1 - 1
-    if full1 > full0:
-        if run >= GATHER_BELOW:
-            for k in range(full0, full1):
-                r = off + k * stride - a
-                yield buf[r:r + run]
-        elif run >= GATHER_LOOP:
-            pos = 0
-            for k in range(full0, full1):
-                r = off + k * stride - a
-                gather[pos:pos + run] = buf[r:r + run]
-                pos += run
-            yield gather[:pos]
-        else:
-            import numpy as np
-
-            rows = full1 - full0
-            src = np.frombuffer(buf, dtype=np.uint8)[off + full0 * stride - a:]
-            runs = np.lib.stride_tricks.as_strided(src, shape=(rows, run), strides=(stride, 1))
-            out = np.frombuffer(gather, dtype=np.uint8)[:rows * run].reshape(rows, run)
-            np.copyto(out, runs)
-            yield gather[:rows * run]
-    if tail:
-        yield buf[off + (k1 - 1) * stride - a:b - a]
-
-
-class _SourceHash:
-    """A source file's sha256, fed in file order. With ``lane`` (a core to spare: fewer units running than
-    cores), every update runs on a helper thread while the unit goes on with the writes; the unit then reads
-    into a ring of buffers (``buffer``), each reused only once its update is done. One unit alone, tp=1, hashed
-    the source and its output one after the other on one core without it. Without a lane, updates go through
-    the unit's ``batch``, hashed beside its output files' (two streams at a time: hashing.Batch)."""
-
-    RING = 4
-
-    def __init__(self, lane: bool, batch: Batch | None):
-        self.h = Sha256()
-        self.batch = batch
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapt-src-sha") if lane else None
-        self.ring: list[memoryview] = []  # allocated on first use, of the unit's read-buffer size
-        self.futs: list = [None] * self.RING
-        self.i = 0
-
-    @property
-    def lane(self) -> bool:
-        return self.pool is not None
-
-    def buffer(self, default: memoryview) -> memoryview:
-        """The buffer to read the next chunk into (at least as large as ``default``)."""
-        if self.pool is None:
-            return default
-        if not self.ring:
-            self.ring = [memoryview(bytearray(default.nbytes)) for _ in range(self.RING)]
-        j = self.i % self.RING
-        if self.futs[j] is not None:
-            self.futs[j].result()
-            self.futs[j] = None
-        return self.ring[j]
-
-    def update(self, view: memoryview) -> None:
-        if self.pool is None:
-            if self.batch is not None:
-                self.batch.add(self.h, view)
-            else:
-                self.h.update(view)
-            return
-        j = self.i % self.RING
-        if not self.ring or view.obj is not self.ring[j].obj:  # not a ring buffer: hash it now
-            self._drain()
-            self.h.update(view)
-            return
-        self.futs[j] = self.pool.submit(self.h.update, view)
-        self.i += 1
-
-    def _drain(self) -> None:
-        for j, f in enumerate(self.futs):
-            if f is not None:
-                f.result()
-                self.futs[j] = None
-
-    def hexdigest(self) -> str:
-        self._drain()
-        if self.batch is not None:
-            self.batch.flush()
-        return self.h.hexdigest()
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
 
 
 @dataclass
@@ -330,14 +210,14 @@ class _UnitRun:
                 for u in self.uses.get(name, []):
                     self._whole(u)
             return digest
-        h = _SourceHash(self.overlap, self.batch) if unit.hash_source else None
+        h = SourceHash(self.overlap, self.batch) if unit.hash_source else None
         try:
             return self._scan_file(h)
         finally:
             if h is not None:
                 h.close()
 
-    def _scan_file(self, h: _SourceHash | None) -> str | None:
+    def _scan_file(self, h: SourceHash | None) -> str | None:
         ckpt, unit = self.ckpt, self.unit
         fd = ckpt.fd(unit.source_file)
         rbuf, gbuf = buffers()
@@ -487,7 +367,7 @@ def _sole_reader(stream: list[_Use], casts: list, a: int, b: int) -> _Use | None
     return sole
 
 
-def _hash_gap(fd: int, h: _SourceHash, pos: int, end: int, rbuf: memoryview) -> int:
+def _hash_gap(fd: int, h: SourceHash, pos: int, end: int, rbuf: memoryview) -> int:
     """Hash the file's bytes [pos, end) (the header before the first tensor; nothing between tensors in a
     validated file)."""
     while pos < end:

@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from adapt.errors import ShardError
@@ -165,7 +166,7 @@ def _self_test() -> str | None:
     return None
 
 
-def _address(view: memoryview) -> tuple[int, object]:
+def buffer_address(view: memoryview) -> tuple[int, object]:
     """The address of a contiguous buffer's first byte, and what keeps it valid while it is used."""
     if view.readonly:  # headers and other small byte strings: copied
         keep = ctypes.create_string_buffer(view.tobytes(), view.nbytes)
@@ -193,7 +194,7 @@ class Sha256:
             return
         mv = memoryview(data).cast("B")
         if mv.nbytes:
-            addr, keep = _address(mv)
+            addr, keep = buffer_address(mv)
             _lib.adapt_sha256_update(self.ctx, addr, mv.nbytes)
             del keep
 
@@ -235,7 +236,7 @@ class Batch:
         ctxs, ptrs, lens = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (ctypes.c_size_t * n)()
         keep = []
         for i, (h, mv) in enumerate(jobs):
-            addr, k = _address(mv)
+            addr, k = buffer_address(mv)
             keep.append(k)
             ctxs[i], ptrs[i], lens[i] = ctypes.addressof(h.ctx), addr, mv.nbytes
         done = (ctypes.c_ubyte * n)()
@@ -243,20 +244,77 @@ class Batch:
         del keep
 
 
-def sha256_file(path: Path, on_bytes=None, chunk: int = 1 << 20) -> str:
-    """A file's sha256, read in ``chunk`` pieces."""
-    h = Sha256()
-    buf = bytearray(chunk)
-    mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(mv[:n])
-            if on_bytes:
-                on_bytes(n)
-    return h.hexdigest()
+class SourceHash:
+    """A source file's sha256, fed in file order. With ``lane`` (a core to spare: fewer units running than
+    cores), every update runs on a helper thread while the unit goes on with the writes; the unit then reads
+    into a ring of buffers (``buffer``), each reused only once its update is done. One unit alone, tp=1, hashed
+    the source and its output one after the other on one core without it. Without a lane, updates go through
+    the unit's ``batch``, hashed beside its output files' (two streams at a time: Batch)."""
+
+    RING = 4
+
+    def __init__(self, lane: bool, batch: Batch | None):
+        self.h = Sha256()
+        self.batch = batch
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapt-src-sha") if lane else None
+        self.ring: list[memoryview] = []  # allocated on first use, of the unit's read-buffer size
+        self.futs: list = [None] * self.RING
+        self.i = 0
+
+    @property
+    def lane(self) -> bool:
+        return self.pool is not None
+
+    def buffer(self, default: memoryview) -> memoryview:
+        """The buffer to read the next chunk into (at least as large as ``default``)."""
+        if self.pool is None:
+            return default
+        if not self.ring:
+            self.ring = [memoryview(bytearray(default.nbytes)) for _ in range(self.RING)]
+        j = self.i % self.RING
+        if self.futs[j] is not None:
+            self.futs[j].result()
+            self.futs[j] = None
+        return self.ring[j]
+
+    def update(self, view: memoryview) -> None:
+        if self.pool is None:
+            if self.batch is not None:
+                self.batch.add(self.h, view)
+            else:
+                self.h.update(view)
+            return
+        j = self.i % self.RING
+        if not self.ring or view.obj is not self.ring[j].obj:  # not a ring buffer: hash it now
+            self._drain()
+            self.h.update(view)
+            return
+        self.futs[j] = self.pool.submit(self.h.update, view)
+        self.i += 1
+
+    def _drain(self) -> None:
+        for j, f in enumerate(self.futs):
+            if f is not None:
+                f.result()
+                self.futs[j] = None
+
+    def hexdigest(self) -> str:
+        self._drain()
+        if self.batch is not None:
+            self.batch.flush()
+        return self.h.hexdigest()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+def sha256_file(path: Path) -> str:
+    """A file's sha256; an OSError reading it is raised."""
+    got = sha256_files([path], threads=1)[0]
+    if isinstance(got, OSError):
+        raise got
+    return got
 
 
 def sha256_files(paths: list[Path], threads: int = 0, chunk: int = 1 << 20) -> list[str | OSError]:

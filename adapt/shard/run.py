@@ -31,7 +31,6 @@ from adapt.shard.planner import DEFAULT_MAX_FILE_SIZE, plan_outputs
 from adapt.shard.transform import DTYPE_CHOICES, target_dtype
 from adapt.shard.source_hash import hashed_digest, recorded_digest
 from adapt.shard import hashing
-from adapt.shard.hashing import sha256_files
 from adapt.shard.writer import AtomicFile, remove_stale_tmp, write_bytes
 from adapt.spec import ModelSpec
 from adapt.source import read_config
@@ -280,7 +279,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     # outputs a journal or an old manifest vouches for are kept if they are there, of their size, and hash the same
     vouched = [f for f in files if f.path in known and (out / f.path).is_file()
                and (out / f.path).stat().st_size == known[f.path]["size"]]
-    for f, got in zip(vouched, sha256_files([out / f.path for f in vouched], workers or usable_cores())):
+    for f, got in zip(vouched, hashing.sha256_files([out / f.path for f in vouched], workers or usable_cores())):
         if got == known[f.path]["sha256"]:
             done[f.path] = replace(f, size=known[f.path]["size"], sha256=got)
             tick(f.nbytes, total)

@@ -19,8 +19,7 @@ import adapt.shard.writer as writer
 from adapt.shard import load_manifest, shard, verify
 from adapt.shard.checkpoint import open_checkpoint
 from adapt.shard.source_hash import hub_blob_sha256, source_digest
-from adapt.shard.fanout import chunk_pieces
-from adapt.shard.stream import byte_slice, iter_slice
+from adapt.shard.stream import byte_slice, chunk_pieces, iter_slice
 
 
 def _hashes(out):
@@ -35,10 +34,8 @@ def _raw(t):
 @pytest.mark.parametrize("loop,direct", [(2048, 65536), (0, 65536), (0, 4)])  # numpy gather, row loop, no gather
 def test_chunk_pieces_equal_narrow_for_any_chunking(seed, loop, direct, monkeypatch):
     """A slice's share of arbitrary (unaligned, tiny, huge) chunks, joined, is the slice's bytes in order."""
-    import adapt.shard.fanout as fanout
-
-    monkeypatch.setattr(fanout, "GATHER_LOOP", loop)
-    monkeypatch.setattr(fanout, "GATHER_BELOW", direct)
+    monkeypatch.setattr(stream, "GATHER_LOOP", loop)
+    monkeypatch.setattr(stream, "GATHER_BELOW", direct)
     g = torch.Generator().manual_seed(seed)
     for _ in range(40):
         nd = int(torch.randint(1, 4, (1,), generator=g))
