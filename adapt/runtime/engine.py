@@ -25,7 +25,7 @@ from adapt.errors import RuntimeConfigError
 from adapt.layout import WeightLayout
 from adapt.runtime.cache.block_manager import BlockManager
 from adapt.runtime.cache.kv_pool import KVCacheSpec, KVPool, available_memory_bytes
-from adapt.runtime.host_memory import tune_malloc
+from adapt.runtime.host_memory import huge_pages_status, tune_malloc
 from adapt.runtime import cpu_kernels
 from adapt.runtime.kernels import get_kernels
 from adapt.runtime.loader import load_weights, materialize
@@ -230,6 +230,7 @@ class Engine:
                             else "off (--kernels reference)"),
             "moe_experts": experts_form(self.model),  # tiled / oneDNN packed / stacked (models/moe.py)
             "linears": linears_form(self.model),  # {"fma panels" | "oneDNN packed" | "plain": count}
+            "huge_pages": huge_pages_status() if self.device.type == "cpu" else None,  # weights (host_memory.py)
             "kv_cache": {
                 "dtype": "int8" if self.pool.spec.quant == "int8" else str(self.pool.spec.dtype).replace("torch.", ""),
                 "block_size": bs, "blocks_total": self.pool.num_blocks, "blocks_peak_used": st["peak_blocks"],

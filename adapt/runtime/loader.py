@@ -18,6 +18,7 @@ from safetensors import safe_open
 from adapt.errors import CheckpointError
 from adapt.layout import WeightLayout
 from adapt.plan import TensorSlice, tensor_slice
+from adapt.runtime.host_memory import empty_huge
 from adapt.runtime.models.layers import collect_loaders
 from adapt.runtime.parallel import ParallelContext
 from adapt.spec import ModelSpec
@@ -78,11 +79,14 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
             if p is None:
                 continue
             keep = getattr(p, "keep_fp32", False)
-            kw = dict(dtype=torch.float32 if keep else dtype, device=device)
-            if getattr(p, "store_transposed", False):  # [..., M, N] held as a view of [..., N, M] storage
-                data = torch.empty(*p.shape[:-2], p.shape[-1], p.shape[-2], **kw).transpose(-1, -2)
-            else:
-                data = torch.empty(p.shape, **kw)
+            dt = torch.float32 if keep else dtype
+            transposed = getattr(p, "store_transposed", False)  # [..., M, N] held as a view of [..., N, M]
+            shape = (*p.shape[:-2], p.shape[-1], p.shape[-2]) if transposed else tuple(p.shape)
+            # on the CPU in transparent huge pages where large (host_memory.empty_huge: fewer TLB misses as a
+            # decode step streams them)
+            data = empty_huge(shape, dt) if device.type == "cpu" else torch.empty(shape, dtype=dt, device=device)
+            if transposed:
+                data = data.transpose(-1, -2)
             new = nn.Parameter(data, requires_grad=False)
             new.store_transposed = getattr(p, "store_transposed", False)
             new.keep_fp32 = keep

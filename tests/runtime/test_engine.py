@@ -301,3 +301,28 @@ def test_a_tied_head_packs_the_embedding_which_reads_its_panels(dtype, tmp_path)
             [r.token_ids for r in plain.generate(prompts, GREEDY)]
     else:
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item() > 0.999
+
+
+def test_cpu_weights_in_huge_pages_change_no_token(k2, monkeypatch):
+    # every weight and packed expert of the tiny model through host_memory.empty_huge (its 4 MiB floor lowered
+    # to 0): each starts on a 2 MiB boundary, and the tokens and logits are those of plain pages, bit for bit
+    import adapt.runtime.models.moe as moe_mod
+    from adapt.runtime import host_memory
+
+    if not host_memory.huge_pages_wanted():
+        pytest.skip("no transparent huge pages here")
+    monkeypatch.setattr(moe_mod, "packing_wins", lambda block, dtype, form="onednn": form == "tiled")
+    monkeypatch.setenv("ADAPT_HUGE_PAGES", "0")
+    plain = Engine.from_pretrained(k2, dtype="float32", kv_cache_memory="16MiB")
+    monkeypatch.setenv("ADAPT_HUGE_PAGES", "1")
+    monkeypatch.setattr(host_memory, "HUGE_MIN", 0)
+    huge = Engine.from_pretrained(k2, dtype="float32", kv_cache_memory="16MiB")
+    params = [p for p in huge.model.parameters() if not p.is_mkldnn]
+    assert params and all(p.data_ptr() % host_memory.HUGE == 0 for p in params)
+    assert any(p.data_ptr() % host_memory.HUGE for p in plain.model.parameters() if not p.is_mkldnn)
+    prompts = _ragged(3)
+    assert [r.token_ids for r in huge.generate(prompts, GREEDY)] == \
+        [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    assert torch.equal(huge.prefill_logits([1, 5, 9]), plain.prefill_logits([1, 5, 9]))
+    st = huge.last_stats["huge_pages"]
+    assert st["wanted"] is True and st["mode"] in ("always", "madvise") and st["advised_bytes"] >= 0

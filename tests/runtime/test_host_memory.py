@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 PROBE = "from adapt.runtime.host_memory import tune_malloc; print(tune_malloc(), tune_malloc())"
 
@@ -53,3 +54,64 @@ def test_a_large_temporary_comes_from_the_heap_and_stays_there_after_free():
         res[mode] = [int(v) for v in out.stdout.split()]
     assert res["0"][0] >= 16 << 20 and res["0"][1] == 0  # default glibc: mmap-ed, unmapped on free
     assert res["1"][0] == 0 and res["1"][1] >= 16 << 20  # tuned: from the heap, kept for the next allocation
+
+
+# -- weights in transparent huge pages (empty_huge) -------------------------------------------------------
+
+from adapt.runtime import host_memory  # noqa: E402
+
+
+def _vma_flags(addr: int) -> set[str] | None:
+    """The VmFlags of the mapping holding ``addr`` (Linux /proc/self/smaps), or None if none holds it."""
+    inside, flags = False, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0] if line.strip() else ""
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                flags = set(line.split()[1:])
+    return flags
+
+
+needs_thp = pytest.mark.skipif(not host_memory.huge_pages_wanted(), reason="no transparent huge pages here")
+
+
+@needs_thp
+def test_a_large_tensor_starts_on_a_huge_page_advised_before_its_first_touch():
+    t = host_memory.empty_huge((3, 1024, 1024), torch.float32)  # 12 MiB
+    assert t.shape == (3, 1024, 1024) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % host_memory.HUGE == 0
+    assert "hg" in _vma_flags(t.data_ptr())  # MADV_HUGEPAGE holds for its mapping
+    t.fill_(1.5)
+    assert t.sum().item() == 1.5 * t.numel()
+    u = host_memory.empty_huge((5, 1 << 20), torch.bfloat16)  # another dtype, its own mapping
+    assert u.data_ptr() % host_memory.HUGE == 0 and u.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+@needs_thp
+def test_the_mapping_goes_with_the_tensor():
+    t = host_memory.empty_huge((4 << 20,), torch.float32)
+    addr = t.data_ptr()
+    view = t[1:]  # a view keeps the mapping
+    del t
+    assert _vma_flags(addr) is not None
+    del view
+    flags = _vma_flags(addr)
+    assert flags is None or "hg" not in flags  # unmapped (or the address reused by an unadvised mapping)
+
+
+def test_small_tensors_and_the_switch_keep_plain_pages(monkeypatch):
+    small = host_memory.empty_huge((1000, 100), torch.float32)  # 400 KB: plain torch.empty
+    assert small.shape == (1000, 100)
+    monkeypatch.setenv("ADAPT_HUGE_PAGES", "0")
+    assert not host_memory.huge_pages_wanted()
+    before = host_memory.huge_pages_status()["advised_bytes"]
+    big = host_memory.empty_huge((4, 1 << 20), torch.float32)
+    assert big.shape == (4, 1 << 20) and host_memory.huge_pages_status()["advised_bytes"] == before
+    assert host_memory.huge_pages_status()["wanted"] is False
+
+
+def test_thp_mode_reads_the_kernel_setting():
+    assert host_memory.thp_mode() in ("always", "madvise", "never", "unavailable")

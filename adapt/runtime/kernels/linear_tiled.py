@@ -59,11 +59,14 @@ def linear_tiles(n: int, k: int, dtype: torch.dtype) -> bool:
     return p > 0 and n % p == 0 and k > 0
 
 
-def pack_linear(w: torch.Tensor, panel: int) -> torch.Tensor:
-    """[N, K] -> [N / panel, K, panel]: column panels of the transposed weight."""
+def pack_linear(w: torch.Tensor, panel: int, empty=None) -> torch.Tensor:
+    """[N, K] -> [N / panel, K, panel]: column panels of the transposed weight. ``empty(shape, dtype)``
+    allocates the result on w's device (the loader's: host_memory.empty_huge on the CPU); default a
+    contiguous copy."""
     n, k = w.shape
     assert n % panel == 0, (n, panel)
-    return w.detach().reshape(n // panel, panel, k).transpose(1, 2).contiguous()
+    src = w.detach().reshape(n // panel, panel, k).transpose(1, 2)
+    return src.contiguous() if empty is None else empty(src.shape, w.dtype).copy_(src)
 
 
 def unpack_linear(w_panels: torch.Tensor) -> torch.Tensor:

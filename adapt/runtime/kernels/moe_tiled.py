@@ -82,16 +82,17 @@ def tiles(n: int, k: int, dtype: torch.dtype) -> bool:
     return p > 0 and n % p == 0
 
 
-def pack_tiled(w: torch.Tensor, panel: int, vnni: bool | None = None) -> torch.Tensor:
+def pack_tiled(w: torch.Tensor, panel: int, vnni: bool | None = None, empty=None) -> torch.Tensor:
     """Stacked expert weights [E, N, K] (any strides) -> the tiled kernel's layout: vnni (bfloat16 only)
     [E, N/16, K/32, 16, 32] (each [16, 32] block one AMX B tile: 16 pairs of k by 16 columns), or panels [E,
     N/panel, K, panel] (column panels of the transposed weight). ``vnni``: None takes this host's form for
     w's dtype (``tiled_vnni``). Packed expert by expert into the result, so that a load holds one expert's
-    temporary, not a second copy of the layer."""
+    temporary, not a second copy of the layer. ``empty(shape, dtype)`` allocates the result on w's device
+    (the loader's: host_memory.empty_huge on the CPU); torch.empty by default."""
     e, n, k = w.shape
     vnni = tiled_vnni(w.dtype) if vnni is None else vnni
-    out = torch.empty((e, n // 16, k // 32, 16, 32) if vnni else (e, n // panel, k, panel), dtype=w.dtype,
-                      device=w.device)
+    shape = (e, n // 16, k // 32, 16, 32) if vnni else (e, n // panel, k, panel)
+    out = empty(shape, w.dtype) if empty is not None else torch.empty(shape, dtype=w.dtype, device=w.device)
     for i in range(e):
         wi = w[i]
         if vnni:  # [nb, c, kb, r, q] -> [nb, kb, r, c, q]

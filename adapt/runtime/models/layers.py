@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from adapt.errors import CheckpointError
+from adapt.runtime.host_memory import empty_huge
 from adapt.runtime.kernels.linear_tiled import linear_tiled, panel_rows
 from adapt.runtime.kernels.rows import bucket_rows, pad_rows
 from adapt.runtime.parallel import ParallelContext
@@ -106,7 +107,7 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK_DTY
                 or w.dim() != 2 or w.dtype not in dtypes or getattr(w, "keep_fp32", False)):
             continue
         if tiled and linear_tiles(w.shape[0], w.shape[1], w.dtype):
-            owner.weight = nn.Parameter(pack_linear(w, tiled_panel(w.dtype)), requires_grad=False)
+            owner.weight = nn.Parameter(pack_linear(w, tiled_panel(w.dtype), empty_huge), requires_grad=False)
         elif tied is not None:
             continue  # the embedding's lookup reads column panels, not oneDNN's layout
         elif w.dtype in onednn:

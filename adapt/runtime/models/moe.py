@@ -17,6 +17,7 @@ import os
 import torch
 import torch.nn as nn
 
+from adapt.runtime.host_memory import empty_huge
 from adapt.runtime.kernels.moe_experts import onednn_packs, pack_expert_weights
 from adapt.runtime.kernels.moe_tiled import pack_tiled, tiled_panel, tiles
 from adapt.runtime.models.batch import ForwardBatch
@@ -123,7 +124,7 @@ class MoE(nn.Module):
         if (tiled and tiles(2 * inter, h, w.dtype) and tiles(h, inter, w.dtype)
                 and packing_wins(self, w.dtype, "tiled")):
             p = tiled_panel(w.dtype)
-            self.tiled = nn.ParameterList([nn.Parameter(pack_tiled(t.detach(), p), requires_grad=False)
+            self.tiled = nn.ParameterList([nn.Parameter(pack_tiled(t.detach(), p, empty=empty_huge), requires_grad=False)
                                            for t in (self.w_gate_up, self.w_down)])
             self.w_gate_up = self.w_down = None
             return 2

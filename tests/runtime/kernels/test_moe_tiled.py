@@ -59,7 +59,10 @@ def test_pack_and_unpack_are_inverse_and_lay_out_tiles(dtype, panel, vnni):
 
 @pytest.mark.parametrize(
     "t,h,inter,e,k",
-    [(1, 64, 32, 8, 2), (13, 128, 32, 6, 2), (50, 192, 96, 5, 3), (300, 64, 32, 4, 1), (37, 64, 96, 8, 4)],
+    # I a multiple of the panel (64 with AVX-512, 16 with AVX2) takes the one-pass gate|up + SiLU (fma_gate_up);
+    # 32 and 96 the two-pass form on AVX-512
+    [(1, 64, 32, 8, 2), (13, 128, 32, 6, 2), (50, 192, 96, 5, 3), (300, 64, 32, 4, 1), (37, 64, 96, 8, 4),
+     (1, 64, 64, 4, 2), (43, 128, 64, 6, 2), (200, 64, 128, 4, 3)],
 )
 def test_float32_matches_twin(t, h, inter, e, k):
     _need(torch.float32)
@@ -84,7 +87,7 @@ def test_bfloat16_within_2x_of_torch(t, h, inter, e, k):
 
 # H and 2I multiples of 64, the panel width with AVX-512 (a 96-wide H is no panel layout there)
 @pytest.mark.parametrize("t,h,inter,e,k", [(1, 64, 32, 8, 2), (29, 64, 32, 6, 2), (70, 192, 96, 5, 3),
-                                           (300, 128, 96, 4, 2)])
+                                           (300, 128, 96, 4, 2), (61, 64, 128, 4, 2)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_panels_on_the_fma_kernel_within_2x_of_torch(t, h, inter, e, k, dtype):
     # the form a CPU without bf16 dot products runs (AMD Zen 3), and float16's on every CPU whose vector layer
@@ -151,7 +154,7 @@ def test_one_and_two_threads_give_the_same_bits(dtype, vnni):
     # a row is computed by one thread whatever the split, and the combine's order is fixed (vnni None: the
     # host's form; False: bfloat16 panels on the FMA kernel)
     _need(dtype if vnni is None else torch.float32)
-    x, w, ids, wgu, wd = _case(200, 64, 32, 8, 2, seed=6, dtype=dtype)
+    x, w, ids, wgu, wd = _case(200, 64, 64, 8, 2, seed=6, dtype=dtype)  # I = 64: the one-pass gate|up on AVX-512
     pg, pd = _packed(wgu, wd, vnni)
     n = torch.get_num_threads()
     try:
