@@ -23,6 +23,8 @@ The gain is the TLB's: on the same weights in cache there is none. ``ADAPT_HUGE_
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 import mmap
 import os
 import sys
@@ -56,11 +58,12 @@ def _apply() -> bool:
 
 HUGE = 2 << 20  # bytes of an x86-64 / arm64 (4 KiB base) transparent huge page
 HUGE_MIN = 2 * HUGE  # smaller tensors stay in plain pages (at most half of one would be huge)
-_advised = [0]  # bytes this process advised
 
 
+@functools.lru_cache(maxsize=1)
 def thp_mode() -> str:
-    """The kernel's transparent-huge-page mode: "always", "madvise", "never" or "unavailable"."""
+    """The kernel's transparent-huge-page mode: "always", "madvise", "never" or "unavailable" (read once: a
+    load asks for every weight)."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             text = f.read()
@@ -83,9 +86,7 @@ def empty_huge(shape, dtype: torch.dtype) -> torch.Tensor:
     mapping goes when the tensor does. Plain torch.empty for tensors under 4 MiB, where
     ``huge_pages_wanted()`` is False, or where the mapping or the advice fails."""
     shape = tuple(shape)
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    for d in shape:
-        nbytes *= d
+    nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < HUGE_MIN or not huge_pages_wanted():
         return torch.empty(shape, dtype=dtype)
     try:
@@ -95,13 +96,12 @@ def empty_huge(shape, dtype: torch.dtype) -> torch.Tensor:
         m.madvise(mmap.MADV_HUGEPAGE, off, nbytes // HUGE * HUGE)
     except (OSError, ValueError):
         return torch.empty(shape, dtype=dtype)
-    _advised[0] += nbytes // HUGE * HUGE
     return raw[off:off + nbytes].view(dtype).view(shape)
 
 
 def huge_pages_status() -> dict:
-    """For engine stats: the THP mode, whether adapt asks for huge pages, the bytes this process advised,
-    and the anonymous huge-page bytes it holds (its smaps)."""
+    """For engine stats: the THP mode, whether adapt asks for huge pages, and the anonymous huge-page bytes
+    this process holds (its smaps)."""
     held = None
     try:
         with open("/proc/self/smaps_rollup") as f:
@@ -110,4 +110,4 @@ def huge_pages_status() -> dict:
                     held = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return {"mode": thp_mode(), "wanted": huge_pages_wanted(), "advised_bytes": _advised[0], "anon_huge_bytes": held}
+    return {"mode": thp_mode(), "wanted": huge_pages_wanted(), "anon_huge_bytes": held}
