@@ -30,7 +30,7 @@ from adapt.runtime import cpu_kernels
 from adapt.runtime.kernels import get_kernels
 from adapt.runtime.loader import load_weights, materialize
 from adapt.runtime.models.layers import PACK_DTYPES_ALL, PACK_DTYPES_EXACT, can_prepack, linears_form, prepack_linears
-from adapt.runtime.models.moe import experts_form
+from adapt.runtime.models.moe import experts_form, routers_form
 from adapt.runtime.model_runner import ModelRunner, prefill_tiles
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.registry import model_class
@@ -229,6 +229,7 @@ class Engine:
             "cpu_kernels": (None if self.device.type != "cpu" else cpu_kernels.status() if self.kernels.impl == "adapt"
                             else "off (--kernels reference)"),
             "moe_experts": experts_form(self.model),  # tiled / oneDNN packed / stacked (models/moe.py)
+            "moe_router": routers_form(self.model),  # fused / torch (models/moe.py)
             "linears": linears_form(self.model),  # {"fma panels" | "oneDNN packed" | "plain": count}
             "huge_pages": huge_pages_status() if self.device.type == "cpu" else None,  # weights (host_memory.py)
             "kv_cache": {

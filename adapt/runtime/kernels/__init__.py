@@ -26,6 +26,7 @@ _TWINNED = {
     "fused_add_rms_norm": norm,
     "apply_rope": rope,
     "softmax_topk": moe_routing,
+    "router_softmax_topk": moe_routing,
     "deepseek_v2_topk": moe_routing,
     "sigmoid_grouped_topk": moe_routing,
     "moe_experts": moe_experts,
@@ -60,6 +61,7 @@ class Kernels:
     fused_add_rms_norm: Callable
     apply_rope: Callable
     softmax_topk: Callable
+    router_softmax_topk: Callable
     deepseek_v2_topk: Callable
     sigmoid_grouped_topk: Callable
     moe_experts: Callable

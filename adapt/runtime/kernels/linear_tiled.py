@@ -44,10 +44,10 @@ def linear_tiled_ref(x: torch.Tensor, w_panels: torch.Tensor, bias: torch.Tensor
 
 
 
-def linear_tiles(n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether ``linear_tiled`` takes an [N, K] weight of ``dtype`` here, N a multiple of the panel: float32;
-    bfloat16 where the CPU has no bf16 dot product (no vnni layout: AMX and AVX512-BF16 CPUs keep oneDNN's
-    native bfloat16 linear); float16 where oneDNN cannot pack it (CPUs with FP16 arithmetic keep oneDNN's)."""
+def fma_panels(dtype: torch.dtype) -> bool:
+    """Whether a linear weight of ``dtype`` runs here on the FMA GEMM's column panels: float32; bfloat16 where
+    the CPU has no bf16 dot product (no vnni layout: AMX and AVX512-BF16 CPUs keep oneDNN's native bfloat16
+    linear); float16 where oneDNN cannot pack it (CPUs with FP16 arithmetic keep oneDNN's)."""
     if dtype not in _DTYPES or tiled_vnni(dtype):
         return False
     if dtype == torch.float16:
@@ -55,8 +55,13 @@ def linear_tiles(n: int, k: int, dtype: torch.dtype) -> bool:
 
         if onednn_packs(dtype):
             return False
-    p = tiled_panel(dtype)
-    return p > 0 and n % p == 0 and k > 0
+    return tiled_panel(dtype) > 0
+
+
+def linear_tiles(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether ``linear_tiled`` takes an [N, K] weight of ``dtype`` here: ``fma_panels``, N a multiple of the
+    panel."""
+    return fma_panels(dtype) and n % tiled_panel(dtype) == 0 and k > 0
 
 
 def pack_linear(w: torch.Tensor, panel: int, empty=None) -> torch.Tensor:

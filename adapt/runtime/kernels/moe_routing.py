@@ -55,6 +55,49 @@ def _topk_sorted(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.topk(probs, k, dim=-1)
 
 
+def router_panel(num_experts: int, dtype: torch.dtype) -> int:
+    """Columns per panel of the router weight packed for ``router_softmax_topk`` here (0: it does not run):
+    where a linear of ``dtype`` runs on the FMA GEMM's panels (float32; 16-bit on a CPU without native 16-bit
+    dot products: linear_tiled.fma_panels), the build's width (64 with AVX-512) or a narrower one (32, 16)
+    that pads E least, the wider on a tie (32 experts: 32; 8: 16; 60 or 128: 64)."""
+    from .linear_tiled import fma_panels
+
+    ext = fused.installed()
+    widths = [int(w) for w in getattr(ext, "ROUTER_PANELS", ())] if ext is not None else []
+    if not widths or num_experts < 1 or not fma_panels(dtype):
+        return 0
+    return min(widths, key=lambda w: (-(-num_experts // w) * w, -w))
+
+
+def pack_router(weight: torch.Tensor, panel: int) -> torch.Tensor:
+    """The router weight [E, H] -> column panels [ceil(E / panel), H, panel], zero past E."""
+    e, h = weight.shape
+    padded = weight.new_zeros(-(-e // panel) * panel, h)
+    padded[:e] = weight.detach()
+    from .linear_tiled import pack_linear
+
+    return pack_linear(padded, panel)
+
+
+def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor | None, top_k: int,
+                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits [T, E] x.dtype, weights [T, K] float32, ids [T, K]): ``router_logits`` (16-bit or float32, not the
+    DeepSeek routers) then ``softmax_topk``, in one call of the fused CPU kernel on the router weight packed by
+    ``pack_router`` (``panels``): its logits sum in k order (not bitwise with F.linear; within the dtype's
+    tolerance). Rows with a tie or a NaN among the chosen take softmax_topk on their logits. Elsewhere (no
+    panels, another device, autograd, no fused module) the two kernels run on ``weight``."""
+    ext = fused.module()
+    if (panels is not None and ext is not None and x.device.type == "cpu" and x.dtype == panels.dtype
+            and not (torch.is_grad_enabled() and x.requires_grad)):
+        logits, weights, ids, undecided = ext.router_softmax_topk(x.contiguous(), panels, weight.shape[0], top_k,
+                                                                  renormalize)
+        if undecided.numel():
+            weights[undecided], ids[undecided] = softmax_topk(logits[undecided], top_k, renormalize)
+        return logits, weights, ids
+    logits = router_logits(x, weight, False)
+    return (logits, *softmax_topk(logits, top_k, renormalize))
+
+
 def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
     # group_scores [T, NG] -> bool [T, E], True for experts in the topk_group best groups
     t, ng = group_scores.shape
@@ -128,6 +171,12 @@ def softmax_topk_ref(logits, top_k, renormalize):
         ws.append(w / w.sum() if renormalize else w)
         ids.append(torch.tensor(chosen))
     return torch.stack(ws).to(logits.device), torch.stack(ids).to(logits.device)
+
+
+def router_softmax_topk_ref(x, weight, panels, top_k, renormalize):
+    """Reference twin of router_softmax_topk: F.linear on the plain weight, then softmax_topk_ref."""
+    logits = router_logits(x, weight, False)
+    return (logits, *softmax_topk_ref(logits, top_k, renormalize))
 
 
 def deepseek_v2_topk_ref(logits, top_k, method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0):

@@ -36,8 +36,12 @@ def moe_experts_tiled(
     ext = fused.module()
     if (ext is not None and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
             and x.dtype in _dtypes(ext)):
-        return ext.moe_experts_tiled(x.contiguous(), ids.to(torch.long).contiguous(), weights.float().contiguous(),
-                                     w_gate_up, w_down, expert_offset)
+        # no conversion dispatched where none is needed (each costs ~10 us right after the kernel's last call
+        # has swept the caches)
+        ids = ids if ids.dtype == torch.long else ids.long()
+        weights = weights if weights.dtype == torch.float32 else weights.float()
+        return ext.moe_experts_tiled(x.contiguous(), ids.contiguous(), weights.contiguous(), w_gate_up, w_down,
+                                     expert_offset)
     return moe_experts_fused(x, weights, ids, unpack_tiled(w_gate_up), unpack_tiled(w_down), expert_offset, choose)
 
 

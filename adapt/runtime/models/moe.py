@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from adapt.runtime.host_memory import empty_huge
 from adapt.runtime.kernels.moe_experts import onednn_packs, pack_expert_weights
+from adapt.runtime.kernels.moe_routing import pack_router, router_panel
 from adapt.runtime.kernels.moe_tiled import pack_tiled, tiled_panel, tiles
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.layers import Linear, _param, linear, slot_loader
@@ -43,6 +44,18 @@ def experts_form(model: nn.Module) -> str | None:
                 f = f"tiled ({how})"
             else:
                 f = "oneDNN packed" if m.packed is not None else "stacked"
+            if f not in forms:
+                forms.append(f)
+    return ", ".join(forms) or None
+
+
+def routers_form(model: nn.Module) -> str | None:
+    """How the model's routers run (engine stats): "fused" (router_softmax_topk on packed panels) or "torch"
+    (the logits' GEMM, then the routing kernel), joined where layers differ; None without MoE."""
+    forms = []
+    for m in model.modules():
+        if isinstance(m, MoE):
+            f = "fused" if m.router_panels is not None else "torch"
             if f not in forms:
                 forms.append(f)
     return ", ".join(forms) or None
@@ -79,6 +92,7 @@ class MoE(nn.Module):
         self.hidden_size = h
         self.packed: tuple[nn.ParameterList, nn.ParameterList] | None = None  # set by pack_experts
         self.tiled: nn.ParameterList | None = None  # [gate_up, down] packed by pack_experts
+        self.router_panels: torch.Tensor | None = None  # the softmax router's weight in panels (pack_experts)
         self._names = [(n(i, "expert_gate", x), n(i, "expert_up", x), n(i, "expert_down", x)) for x in self.experts]
         self.shared = (DenseMLP(n, i, h, m.shared_intermediate_size, ctx, kind="shared")
                        if m.num_shared_experts and m.shared_intermediate_size else None)
@@ -118,8 +132,9 @@ class MoE(nn.Module):
         w = self.w_gate_up
         if self.packed is not None or self.tiled is not None or w is None or w.device.type != "cpu":
             return 0
+        n = self._pack_router() if tiled else 0
         if os.environ.get(STRATEGY_ENV, "auto") != "auto":  # a pinned path runs on the stacked experts
-            return 0
+            return n
         h, inter = self.hidden_size, self.num_inter
         if (tiled and tiles(2 * inter, h, w.dtype) and tiles(h, inter, w.dtype)
                 and packing_wins(self, w.dtype, "tiled")):
@@ -127,10 +142,10 @@ class MoE(nn.Module):
             self.tiled = nn.ParameterList([nn.Parameter(pack_tiled(t.detach(), p, empty=empty_huge), requires_grad=False)
                                            for t in (self.w_gate_up, self.w_down)])
             self.w_gate_up = self.w_down = None
-            return 2
+            return n + 2
         if (w.dtype != torch.float32 or w.dtype not in dtypes or not onednn_packs(w.dtype)
                 or not packing_wins(self, w.dtype)):
-            return 0
+            return n
 
         def plist(t: torch.Tensor) -> nn.ParameterList:
             return nn.ParameterList([nn.Parameter(p, requires_grad=False) for p in pack_expert_weights(t.detach())])
@@ -138,7 +153,17 @@ class MoE(nn.Module):
         self.packed = (plist(self.w_gate_up), plist(self.w_down))
         self._packed_lists = (list(self.packed[0]), list(self.packed[1]))  # what the kernel takes, built once
         self.w_gate_up = self.w_down = None
-        return 2 * len(self.experts)
+        return n + 2 * len(self.experts)
+
+    def _pack_router(self) -> int:
+        """The softmax router's weight in column panels for the fused router kernel (router_softmax_topk),
+        where it runs here (router_panel); the plain weight stays (the twins and other devices read it)."""
+        wr = self.gate.weight
+        p = 0 if self.deepseek or self.router_panels is not None else router_panel(wr.shape[0], wr.dtype)
+        if not p:
+            return 0
+        self.router_panels = pack_router(wr, p)
+        return 1
 
     def run_experts(self, k, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts this rank holds on x [T, H] (weights [T, K], global ids [T, K])."""
@@ -152,10 +177,13 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K] float32, global expert ids [T, K])."""
         k, m = batch.kernels, self.moe
-        logits = k.router_logits(x, self.gate.weight, self.deepseek)  # [T, E_total]
+        if not self.deepseek:  # softmax top-k: one fused call where the router is packed (pack_experts)
+            logits, weights, ids = k.router_softmax_topk(x, self.gate.weight, self.router_panels, m.top_k,
+                                                         m.norm_topk_prob)
+            batch.record(f"layers.{self.layer}.router_logits", logits)
+            return weights, ids
+        logits = k.router_logits(x, self.gate.weight, True)  # [T, E_total]
         batch.record(f"layers.{self.layer}.router_logits", logits)
-        if not self.deepseek:
-            return k.softmax_topk(logits, m.top_k, m.norm_topk_prob)
         if m.scoring == "sigmoid":
             return k.sigmoid_grouped_topk(logits, m.top_k, self.e_score_correction_bias, m.n_group, m.topk_group,
                                           m.norm_topk_prob, m.routed_scaling_factor)
@@ -163,7 +191,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         weights, ids = self.route(x, batch)
-        if not self.deepseek:
+        if not self.deepseek and weights.dtype != x.dtype:
             weights = weights.to(x.dtype)  # transformers casts the routing weights to the model dtype
         y = self.run_experts(batch.kernels, x, weights, ids)
         if self.split:

@@ -47,12 +47,14 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
 
 def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh: tuple[int, ...] = (),
           keep_fp32: tuple[int, ...] = (), pack: tuple[int, ...] = (), transposed: tuple[int, ...] = (),
-          tile: tuple[int, ...] = (), panel: tuple[int, ...] = ()) -> Case:
+          tile: tuple[int, ...] = (), panel: tuple[int, ...] = (), router: tuple[int, ...] = ()) -> Case:
     """``fresh``: positions cloned per call (caches written in place); ``keep_fp32``: never cast;
     ``pack``: stacked expert weights [E, N, K], packed per expert for oneDNN after the cast;
     ``tile``: stacked expert weights packed for the fused tiled MoE kernel (moe_tiled.pack_tiled);
     ``panel``: a dense [N, K] weight packed in the same kernel's column panels (linear_tiled.pack_linear);
-    ``transposed``: [E, N, K] weights held as views of [E, K, N] storage, as the runtime's MoE holds them."""
+    ``transposed``: [E, N, K] weights held as views of [E, K, N] storage, as the runtime's MoE holds them;
+    ``router``: the router weight [E, H] just before, packed here for the fused router where it runs
+    (moe_routing.router_panel; elsewhere None, and the kernel runs its two-kernel form, as the runtime does)."""
     kwargs = kwargs or {}
 
     def make(dtype: torch.dtype):
@@ -81,6 +83,11 @@ def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh
                     raise UnsupportedCase(f"the tiled linear does not take {dt} here (float32, and 16-bit types "
                                           "where oneDNN has no native linear for them, with a vector layer)")
                 y = pack_linear(y, tiled_panel(y.dtype))
+            if i in router:
+                from adapt.runtime.kernels.moe_routing import pack_router, router_panel
+
+                p = router_panel(a[-1].shape[0], a[-1].dtype)
+                y = pack_router(a[-1], p) if p else None
             if i in transposed:
                 y = y.transpose(1, 2).contiguous().transpose(1, 2)
             a.append(y.clone() if i in fresh else y)
@@ -126,6 +133,8 @@ def build_cases(seed: int = 0) -> dict[str, Case]:
         "fused_add_rms_norm": _case([rn(t, 64), rn(t, 64), rn(64).abs() + 0.5], {"eps": 1e-6}),
         "apply_rope": _case([rn(t, hq, d), cos, sin]),
         "softmax_topk": _case([rn(t, e), k, True], out=_routing),
+        "router_softmax_topk": _case([rn(t, 32), rn(e, 32, scale=0.3), None, k, True], router=(2,),
+                                     out=lambda a, r: [r[0], *_routing(a, r[1:])]),
         "deepseek_v2_topk": _case([rn(t, e), k], {"method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
                                                   "routed_scaling_factor": 1.5}, out=_routing),
         "sigmoid_grouped_topk": _case([rn(t, e), k, rn(e, scale=0.1)], {"n_group": 4, "topk_group": 2,

@@ -27,7 +27,7 @@ _DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.fl
 SHARED = ("rope_inv_freq", "rope_cos_sin", "mla_softmax_scale", "router_logits")  # no twin: one function
 # kernels with a fused CPU form (kernels/csrc/cpu_kernels.cpp) beside their torch form
 FUSED = ("paged_decode_attention", "write_kv_cache", "rms_norm", "fused_add_rms_norm", "apply_rope", "silu_and_mul",
-         "moe_experts_tiled", "linear_tiled")
+         "moe_experts_tiled", "linear_tiled", "router_softmax_topk")
 
 
 def _run(fn, case, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -192,3 +192,109 @@ def test_16bit_router_logits_round_once_from_float32_sums(dtype):
     assert_lowp_close(out, F.linear(x, w), F.linear(x.float(), w.float()), f"router {dtype}")
     if x.device.type == "cpu" and not onednn_packs(dtype):
         assert torch.equal(out, F.linear(x.float(), w.float()).to(dtype))
+
+
+# ---- the fused softmax router (router_softmax_topk): logits, softmax and top-k in one call on packed panels
+
+
+def _router_ext():
+    from adapt.runtime import cpu_kernels
+
+    ext = cpu_kernels.load()
+    if ext is None or not list(ext.ROUTER_PANELS):
+        pytest.skip(f"fused CPU kernels {cpu_kernels.status()}, or no vector layer")
+    return ext
+
+
+def _router_cases():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for t, h, e, k, renorm in [(37, 96, 8, 2, True), (512, 64, 32, 4, False), (5, 48, 60, 4, True),
+                                   (100, 32, 128, 8, True), (3, 16, 1, 1, False), (0, 16, 8, 2, True)]:
+            yield dtype, t, h, e, k, renorm
+
+
+@pytest.mark.parametrize("case", list(_router_cases()), ids=lambda c: f"{str(c[0])[6:]}-{c[1]}x{c[2]}-e{c[3]}k{c[4]}"
+                         f"{'-renorm' if c[5] else ''}")
+def test_fused_router_is_logits_then_softmax_topk(case):
+    # every panel width the build takes: logits within the dtype's tolerance of F.linear's, and the weights and
+    # ids exactly softmax_topk's on the logits it returns (ties and NaNs go to torch.topk)
+    from adapt.runtime.kernels.linear_tiled import unpack_linear
+    from adapt.runtime.kernels.moe_routing import pack_router, router_softmax_topk
+
+    from ._tol import assert_fp32_close, assert_lowp_close
+
+    ext = _router_ext()
+    dtype, t, h, e, k, renorm = case
+    g = torch.Generator().manual_seed(t + e)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w = (torch.randn(e, h, generator=g) * 0.2).to(dtype)
+    ref32 = torch.nn.functional.linear(x.float(), w.float())
+    for p in ext.ROUTER_PANELS:
+        panels = pack_router(w, p)
+        assert panels.shape == (-(-e // p), h, p)
+        plain = unpack_linear(panels)
+        assert torch.equal(plain[:e], w) and not plain[e:].any()  # zero past E
+        logits, weights, ids = router_softmax_topk(x, w, panels, k, renorm)
+        assert logits.dtype == dtype and logits.shape == (t, e) and weights.dtype == torch.float32
+        if dtype == torch.float32 or t == 0:
+            assert_fp32_close(logits, ref32, f"router logits, panel {p}")
+        else:
+            assert_lowp_close(logits, torch.nn.functional.linear(x, w), ref32, f"router logits {dtype}, panel {p}")
+        wt, it = softmax_topk(logits, k, renorm)
+        assert torch.equal(ids, it), f"panel {p}"
+        torch.testing.assert_close(weights, wt, rtol=2e-6, atol=1e-7)
+
+
+def test_fused_router_hands_ties_and_nans_to_torch_topk():
+    from adapt.runtime.kernels.moe_routing import pack_router, router_softmax_topk
+
+    ext = _router_ext()
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 32, generator=g)
+    w = torch.randn(16, 32, generator=g)
+    w[5] = w[2]  # experts 2 and 5 tie on every token: where both are chosen, torch.topk's order decides
+    x[7] = 0.0  # a zero hidden state: every logit 0, all 16 experts tie
+    x[9, 3] = float("nan")
+    panels = pack_router(w, ext.ROUTER_PANELS[-1])
+    logits, weights, ids = router_softmax_topk(x, w, panels, 4, True)
+    _, _, _, undecided = ext.router_softmax_topk(x, panels, 16, 4, True)
+    assert {7, 9} <= set(undecided.tolist())  # the kernel says which rows it cannot decide
+    wt, it = softmax_topk(logits, 4, True)
+    assert torch.equal(ids, it)
+    torch.testing.assert_close(weights, wt, rtol=2e-6, atol=1e-7, equal_nan=True)
+
+
+def test_router_panel_pads_least():
+    from adapt.runtime.kernels.linear_tiled import fma_panels
+    from adapt.runtime.kernels.moe_routing import router_panel
+
+    ext = _router_ext()
+    widths = list(ext.ROUTER_PANELS)
+    assert widths == sorted(widths, reverse=True) and all(w % widths[-1] == 0 for w in widths)
+    for e in (1, 8, 32, 60, 128, 160, 384):
+        p = router_panel(e, torch.float32)
+        pad = -(-e // p) * p - e
+        assert p in widths and all(pad < -(-e // w) * w - e or (pad == -(-e // w) * w - e and p >= w) for w in widths)
+    assert router_panel(32, torch.float32) == max(w for w in widths if 32 % w == 0)  # no padding, the widest
+    for dtype in (torch.bfloat16, torch.float16):  # 16-bit only where its linears take the FMA panels
+        assert (router_panel(32, dtype) > 0) == fma_panels(dtype)
+    assert router_panel(32, torch.float64) == 0
+
+
+def test_fused_router_rejects_what_it_cannot_read():
+    from adapt.runtime.kernels.moe_routing import pack_router
+
+    ext = _router_ext()
+    x, w = torch.randn(4, 32), torch.randn(8, 32)
+    p = pack_router(w, ext.ROUTER_PANELS[0])
+    with pytest.raises(RuntimeError, match="1 <= K <= E"):
+        ext.router_softmax_topk(x, p, 8, 9, True)
+    with pytest.raises(RuntimeError, match="panels"):
+        ext.router_softmax_topk(x, p, p.shape[0] * p.shape[2] + 1, 2, True)  # more experts than the panels hold
+    with pytest.raises(RuntimeError, match="panels"):
+        ext.router_softmax_topk(x[:, :16].contiguous(), p, 8, 2, True)  # x's width is not the weight's
+    with pytest.raises(RuntimeError, match="panels"):
+        ext.router_softmax_topk(x, p.to(torch.bfloat16), 8, 2, True)  # another dtype
+    odd = torch.zeros(1, 32, ext.ROUTER_PANELS[-1] * 3)
+    with pytest.raises(RuntimeError, match="vectors"):
+        ext.router_softmax_topk(x, odd, 8, 2, True)  # a panel width the build does not take

@@ -110,3 +110,27 @@ def test_sliding_window_preemption_keeps_tokens(tiny_dir):
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert [r.token_ids for r in small.generate(prompts, p)] == [r.token_ids for r in full.generate(prompts, p)]
     assert small.last_stats["preemptions"] > 0 and small.block_manager.usage().used_blocks == 0
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_softmax_routers_run_fused(tiny_dir, name):
+    # the softmax routers take the fused router kernel where it runs here (float32 here: router_panel), the
+    # DeepSeek ones keep theirs; both forms give the same logits (and test_matches_transformers holds with it)
+    from adapt.runtime import cpu_kernels
+    from adapt.runtime.kernels.moe_routing import router_panel
+    from adapt.runtime.models.moe import MoE, routers_form
+
+    _, path = tiny_dir(name)
+    eng = Engine.from_pretrained(path, kv_cache_memory="8MiB")
+    blocks = [m for m in eng.model.modules() if isinstance(m, MoE)]
+    assert blocks
+    fused = cpu_kernels.load() is not None and router_panel(blocks[0].moe.num_experts, torch.float32) > 0
+    for b in blocks:
+        assert (b.router_panels is not None) == (fused and not b.deepseek)
+    assert routers_form(eng.model) == ("fused" if fused and not blocks[0].deepseek else "torch")
+    ids = [1, 5, 9, 33, 7, 100, 3]
+    a = eng.prefill_logits(ids)
+    for b in blocks:
+        b.router_panels = None
+    assert routers_form(eng.model) == "torch"
+    assert (a - eng.prefill_logits(ids)).abs().max().item() < 1e-5

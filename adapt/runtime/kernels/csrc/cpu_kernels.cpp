@@ -38,13 +38,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_pad_gather", &moe_pad_gather);
   m.def("moe_combine", &moe_combine);
   m.def("topk_rows", &topk_rows);
+  m.def("router_softmax_topk", &router_softmax_topk);
   m.def("moe_experts_tiled", &moe_experts_tiled);
   m.def("moe_tiled_dtypes", &moe_tiled_dtypes);
   m.def("moe_tiled_bf16_gemm", &moe_tiled_bf16_gemm);
   m.def("linear_tiled", &linear_tiled, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
 #ifdef ADAPT_VW
   m.attr("PANEL") = FMA_NR;  // columns per packed float32 panel of the tiled MoE kernel and linear_tiled
+  std::vector<int64_t> router;  // the router panels router_softmax_topk takes: FMA_NR, then narrower
+  for (int64_t nv = FMA_NV; nv >= 1; nv /= 2) router.push_back(nv * VW);
+  m.attr("ROUTER_PANELS") = router;
 #else
   m.attr("PANEL") = 0;
+  m.attr("ROUTER_PANELS") = std::vector<int64_t>{};
 #endif
 }

@@ -60,6 +60,43 @@ std::vector<torch::Tensor> moe_pad_gather(torch::Tensor x, torch::Tensor order, 
 // and the ids stay torch's. (Bfloat16 logits tie often: 512 rows of the bench's router had some such row in
 // every call, and the whole call fell back to torch.topk.) Other rows are torch's result (same values, same
 // ids, same order).
+// One row of topk_rows: the K largest of row [E] into v [K] (descending) and id [K]; false where the row is
+// undecided (a NaN, or a tie among the chosen or at the K-th place)
+inline bool topk_row(const float* row, int64_t E, int64_t K, float* v, int64_t* id) {
+  bool ok = true;
+  int64_t n = 0;  // kept so far, v[0] >= ... >= v[n - 1]
+  float out = -std::numeric_limits<float>::infinity();  // the best value not kept
+  bool any_out = false;
+  for (int64_t j = 0; j < E; ++j) {
+    const float a = row[j];
+    if (std::isnan(a)) ok = false;
+    if (n == K && !(a > v[K - 1])) {
+      if (!any_out || a > out) out = a, any_out = true;
+      continue;
+    }
+    if (n == K) {  // v[K - 1] leaves
+      if (!any_out || v[K - 1] > out) out = v[K - 1], any_out = true;
+    } else {
+      ++n;
+    }
+    int64_t i = n - 1;
+    for (; i > 0 && a > v[i - 1]; --i) v[i] = v[i - 1], id[i] = id[i - 1];
+    v[i] = a, id[i] = j;
+  }
+  for (int64_t i = 0; i + 1 < K; ++i) ok = ok && v[i] != v[i + 1];
+  return ok && !(any_out && out == v[K - 1]);
+}
+
+// the rows flagged undecided, as an int64 tensor of row indices
+inline torch::Tensor flagged_rows(const std::vector<uint8_t>& flags, const torch::TensorOptions& opts) {
+  std::vector<int64_t> rows;
+  for (int64_t t = 0; t < (int64_t)flags.size(); ++t)
+    if (flags[t]) rows.push_back(t);
+  auto out = torch::empty({(int64_t)rows.size()}, opts.dtype(at::kLong));
+  std::copy(rows.begin(), rows.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> topk_rows(torch::Tensor x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "topk_rows: contiguous float32 x [T, E]");
@@ -72,82 +109,51 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> topk_rows(torch::Tensor 
   int64_t* ip = ids.data_ptr<int64_t>();
   std::vector<uint8_t> undecided(T, 0);
   at::parallel_for(0, T, grain(E * 8), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      bool ok = true;
-      const float* row = xp + t * E;
-      float* v = vp + t * K;
-      int64_t* id = ip + t * K;
-      int64_t n = 0;  // kept so far, v[0] >= ... >= v[n - 1]
-      float out = -std::numeric_limits<float>::infinity();  // the best value not kept
-      bool any_out = false;
-      for (int64_t j = 0; j < E; ++j) {
-        const float a = row[j];
-        if (std::isnan(a)) ok = false;
-        if (n == K && !(a > v[K - 1])) {
-          if (!any_out || a > out) out = a, any_out = true;
-          continue;
-        }
-        if (n == K) {  // v[K - 1] leaves
-          if (!any_out || v[K - 1] > out) out = v[K - 1], any_out = true;
-        } else {
-          ++n;
-        }
-        int64_t i = n - 1;
-        for (; i > 0 && a > v[i - 1]; --i) v[i] = v[i - 1], id[i] = id[i - 1];
-        v[i] = a, id[i] = j;
-      }
-      for (int64_t i = 0; i + 1 < K; ++i) ok = ok && v[i] != v[i + 1];
-      ok = ok && !(any_out && out == v[K - 1]);
-      undecided[t] = !ok;
-    }
+    for (int64_t t = t0; t < t1; ++t) undecided[t] = !topk_row(xp + t * E, E, K, vp + t * K, ip + t * K);
   });
-  std::vector<int64_t> rows;
-  for (int64_t t = 0; t < T; ++t)
-    if (undecided[t]) rows.push_back(t);
-  auto out_rows = torch::empty({(int64_t)rows.size()}, x.options().dtype(at::kLong));
-  std::copy(rows.begin(), rows.end(), out_rows.data_ptr<int64_t>());
-  return {values, ids, out_rows};
+  return {values, ids, flagged_rows(undecided, x.options())};
 }
 
-// op[t] = sum over k with pos[t * K + k] >= 0 of w[t, k] * yp[pos], float32 in k order, rounded once to X.
-// 64 columns at a time, their sums in registers over the K rows (against sums through a row buffer in L1: the
-// tiled kernel's call 1.9% faster at 512 tokens, A/B in one process; the same additions in the same order, so
-// the same bits)
+// o [H] = sum over k with pt[k] >= 0 of wt[k] * yp[pt[k]], float32 in k order, rounded once to X. 64 columns
+// at a time, their sums in registers over the K rows (against sums through a row buffer in L1: the tiled
+// kernel's call 1.9% faster at 512 tokens, A/B in one process; the same additions in the same order, so the
+// same bits)
+template <typename X>
+inline void combine_row(const X* yp, const int64_t* pt, const float* wt, int64_t K, int64_t H, X* o) {
+  int64_t i = 0;
+#ifdef ADAPT_VW
+  constexpr int NV = 4;
+  for (; i + NV * VW <= H; i += NV * VW) {
+    vf acc[NV];
+    for (int j = 0; j < NV; ++j) acc[j] = vzero();
+    for (int64_t k = 0; k < K; ++k) {
+      if (pt[k] < 0) continue;  // a slot served by another rank
+      const X* row = yp + pt[k] * H + i;
+      const vf vw = vset1(wt[k]);
+      for (int j = 0; j < NV; ++j) acc[j] = vadd(acc[j], vmul(vw, vload(row + j * VW)));
+    }
+    for (int j = 0; j < NV; ++j) vstore(o + i + j * VW, acc[j]);
+  }
+  for (; i + VW <= H; i += VW) {
+    vf acc = vzero();
+    for (int64_t k = 0; k < K; ++k)
+      if (pt[k] >= 0) acc = vadd(acc, vmul(vset1(wt[k]), vload(yp + pt[k] * H + i)));
+    vstore(o + i, acc);
+  }
+#endif
+  for (; i < H; ++i) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k)
+      if (pt[k] >= 0) acc += wt[k] * f32(yp[pt[k] * H + i]);
+    o[i] = from_f32<X>(acc);
+  }
+}
+
+// op[t] = combine_row of token t's K slots (pos[t * K + k], w[t, k]), every token
 template <typename X>
 void combine_rows(const X* yp, const int64_t* pos, const float* wp, int64_t T, int64_t K, int64_t H, X* op) {
   at::parallel_for(0, T, grain(H * K), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t* pt = pos + t * K;
-      const float* wt = wp + t * K;
-      X* o = op + t * H;
-      int64_t i = 0;
-#ifdef ADAPT_VW
-      constexpr int NV = 4;
-      for (; i + NV * VW <= H; i += NV * VW) {
-        vf acc[NV];
-        for (int j = 0; j < NV; ++j) acc[j] = vzero();
-        for (int64_t k = 0; k < K; ++k) {
-          if (pt[k] < 0) continue;  // a slot served by another rank
-          const X* row = yp + pt[k] * H + i;
-          const vf vw = vset1(wt[k]);
-          for (int j = 0; j < NV; ++j) acc[j] = vadd(acc[j], vmul(vw, vload(row + j * VW)));
-        }
-        for (int j = 0; j < NV; ++j) vstore(o + i + j * VW, acc[j]);
-      }
-      for (; i + VW <= H; i += VW) {
-        vf acc = vzero();
-        for (int64_t k = 0; k < K; ++k)
-          if (pt[k] >= 0) acc = vadd(acc, vmul(vset1(wt[k]), vload(yp + pt[k] * H + i)));
-        vstore(o + i, acc);
-      }
-#endif
-      for (; i < H; ++i) {
-        float acc = 0.f;
-        for (int64_t k = 0; k < K; ++k)
-          if (pt[k] >= 0) acc += wt[k] * f32(yp[pt[k] * H + i]);
-        o[i] = from_f32<X>(acc);
-      }
-    }
+    for (int64_t t = t0; t < t1; ++t) combine_row(yp, pos + t * K, wp + t * K, K, H, op + t * H);
   });
 }
 

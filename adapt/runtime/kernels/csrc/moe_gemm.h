@@ -160,14 +160,16 @@ constexpr int64_t FMA_NR = FMA_NV * VW;  // columns per packed panel
 // store (StoreRows, or the SiLU-and-mul of fma_gate_up) writes them out: C rows of float32 or bfloat16 (rounded
 // to nearest even once, after the bias). pf, pf_lines: this block's share of the next panel (64-byte lines),
 // pulled into L2 evenly as k advances.
-template <int MR, typename W, typename Store>
+// NV: vectors per panel row (FMA_NV, the experts' and linears' panels; fewer for a narrow router's).
+template <int MR, int NV = FMA_NV, typename W, typename Store>
 inline void fma_block(const float* const* A, int64_t K, const W* b, const float* bias, const W* pf, int64_t pf_lines,
                       Store&& store) {
+  constexpr int64_t NR = NV * VW;
   const float* a[MR];
   for (int r = 0; r < MR; ++r) a[r] = A[r];
-  vf c[MR][FMA_NV];
+  vf c[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < FMA_NV; ++j) c[r][j] = vzero();
+    for (int j = 0; j < NV; ++j) c[r][j] = vzero();
   // this block's share of the prefetch, spread evenly over k: a line each time a running sum of pf_lines
   // passes K (a division per step instead, an idiv in the loop, was 4-5% slower at 512 tokens)
   const char* pq = reinterpret_cast<const char*>(pf);
@@ -180,25 +182,25 @@ inline void fma_block(const float* const* A, int64_t K, const W* b, const float*
     for (due += 4 * pf_lines; due >= K; due -= K, pq += 64) _mm_prefetch(pq, _MM_HINT_T1);
 #pragma GCC unroll 4
     for (int64_t kk = k; kk < k + 4; ++kk) {
-      vf v[FMA_NV];
-      for (int j = 0; j < FMA_NV; ++j) v[j] = vload(b + kk * FMA_NR + j * VW);
+      vf v[NV];
+      for (int j = 0; j < NV; ++j) v[j] = vload(b + kk * NR + j * VW);
       for (int r = 0; r < MR; ++r) {
         const vf av = vset1(a[r][kk]);
-        for (int j = 0; j < FMA_NV; ++j) c[r][j] = vfma(av, v[j], c[r][j]);
+        for (int j = 0; j < NV; ++j) c[r][j] = vfma(av, v[j], c[r][j]);
       }
     }
   }
   for (; k < K; ++k) {  // the last K % 4 steps
     for (due += pf_lines; due >= K; due -= K, pq += 64) _mm_prefetch(pq, _MM_HINT_T1);
-    vf v[FMA_NV];
-    for (int j = 0; j < FMA_NV; ++j) v[j] = vload(b + k * FMA_NR + j * VW);
+    vf v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = vload(b + k * NR + j * VW);
     for (int r = 0; r < MR; ++r) {
       const vf av = vset1(a[r][k]);
-      for (int j = 0; j < FMA_NV; ++j) c[r][j] = vfma(av, v[j], c[r][j]);
+      for (int j = 0; j < NV; ++j) c[r][j] = vfma(av, v[j], c[r][j]);
     }
   }
   if (bias)
-    for (int j = 0; j < FMA_NV; ++j) {
+    for (int j = 0; j < NV; ++j) {
       const vf bv = vloadu(bias + j * VW);
       for (int r = 0; r < MR; ++r) c[r][j] = vadd(c[r][j], bv);
     }
@@ -210,10 +212,10 @@ template <typename O>
 struct StoreRows {
   O* const* C;
   int64_t c0;
-  template <int MR>
-  inline void operator()(const vf (&c)[MR][FMA_NV]) const {
+  template <int MR, int NV>
+  inline void operator()(const vf (&c)[MR][NV]) const {
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < FMA_NV; ++j) vstore(C[r] + c0 + j * VW, c[r][j]);
+      for (int j = 0; j < NV; ++j) vstore(C[r] + c0 + j * VW, c[r][j]);
   }
 };
 
@@ -491,6 +493,114 @@ torch::Tensor linear_tiled(torch::Tensor x, torch::Tensor w, c10::optional<torch
   return y;
 #else
   TORCH_CHECK(false, "linear_tiled: needs a vector layer, not in this build");
+#endif
+}
+
+#ifdef ADAPT_VW
+// f(std::integral_constant<int, nv>{}) for the panel vectors nv: FMA_NV, or a narrower router panel's 2 or 1
+template <typename F>
+inline void with_nv(int64_t nv, F&& f) {
+  if (nv == FMA_NV) return f(std::integral_constant<int, FMA_NV>{});
+  if constexpr (FMA_NV > 2)
+    if (nv == 2) return f(std::integral_constant<int, 2>{});
+  TORCH_CHECK(nv == 1, "a panel of ", nv, " vectors: the build takes 1 to ", FMA_NV);
+  f(std::integral_constant<int, 1>{});
+}
+#endif
+
+// The softmax router (Mixtral, Qwen-MoE) in one call: logits [T, E] = x @ Wr^T (x's dtype, rounded once from
+// float32 sums in k order), the float32 softmax of the logits as stored, its K largest in order (topk_row:
+// the rows it leaves undecided, ties and NaNs, are returned for torch.topk), divided by their sum where
+// ``renorm``. Returns (logits, weights [T, K] float32, ids [T, K] int64, undecided rows [U] int64). Wr: the
+// router weight [E, H] in column panels [ceil(E / RP), H, RP] of x's dtype (RP = VW * nv, nv = FMA_NV or
+// fewer, so that few experts pad little), zero past E. In place of F.linear, softmax, topk and a division:
+// right after the experts' kernel has swept the caches, the float32 bench router at 512 tokens (H 512, 32
+// experts, top-4) took 0.44 ms through those four dispatches, 0.25 ms with hot caches.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> router_softmax_topk(torch::Tensor x,
+                                                                                          torch::Tensor wr, int64_t E,
+                                                                                          int64_t K, bool renorm) {
+#ifdef ADAPT_VW
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && wr.dim() == 3 && wr.is_contiguous() &&
+                  wr.scalar_type() == x.scalar_type() && wr.size(1) == x.size(1) && wr.size(2) % VW == 0 &&
+                  wr.size(0) * wr.size(2) >= E && E >= 1,
+              "router_softmax_topk: contiguous x [T, H] and the router weight in panels [ceil(E / RP), H, RP] of "
+              "its dtype, RP a multiple of ", VW);
+  TORCH_CHECK(K >= 1 && K <= E, "router_softmax_topk: need 1 <= K <= E");
+  const int64_t T = x.size(0), H = x.size(1), NP = wr.size(0), RP = wr.size(2), EP = NP * RP;
+  auto logits = torch::empty({T, E}, x.options());
+  auto weights = torch::empty({T, K}, x.options().dtype(at::kFloat));
+  auto ids = torch::empty({T, K}, x.options().dtype(at::kLong));
+  std::vector<uint8_t> undecided(T, 0);
+  float* vp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float_bf16_or_half(x, "router_softmax_topk", [&](auto tag) {
+    using X = decltype(tag);
+    const X* xp = x.data_ptr<X>();
+    const X* wp = wr.data_ptr<X>();
+    X* lp = logits.data_ptr<X>();
+    with_nv(RP / VW, [&](auto nvc) {
+      constexpr int NV = decltype(nvc)::value;
+      constexpr int MR = NV == FMA_NV ? FMA_MR : 12;  // 12 x 2 or 12 x 1 accumulators for a narrow panel
+      constexpr int64_t RC = 4 * MR;                   // rows per pass over the panels
+      // rows per thread: about 2 MFLOP of logits each, at least one pass
+      const int64_t rows_per = std::max<int64_t>(RC, (int64_t{1} << 20) / std::max<int64_t>(1, H * EP));
+      at::parallel_for(0, T, rows_per, [&](int64_t t0, int64_t t1) {
+        std::unique_ptr<float[]> xa(std::is_same_v<X, float> ? nullptr : new float[RC * H]), c(new float[RC * EP]);
+        const float* arow[RC];
+        float* crow[RC];
+        for (int64_t r0 = t0; r0 < t1; r0 += RC) {
+          const int64_t n = std::min<int64_t>(RC, t1 - r0);
+          for (int64_t r = 0; r < n; ++r) {
+            if constexpr (std::is_same_v<X, float>) {
+              arow[r] = xp + (r0 + r) * H;
+            } else {
+              row_f32(xp + (r0 + r) * H, xa.get() + r * H, H, 1.f);  // 16-bit x widened (exact)
+              arow[r] = xa.get() + r * H;
+            }
+            crow[r] = c.get() + r * EP;
+          }
+          for (int64_t pb = 0; pb < NP; ++pb)
+            each_row_block<MR>(n, [&](auto rows, int64_t m0, int64_t) {
+              fma_block<decltype(rows)::value, NV>(arow + m0, H, wp + pb * H * RP, nullptr,
+                                                   static_cast<const X*>(nullptr), 0, StoreRows<float>{crow + m0, pb * RP});
+            });
+          for (int64_t r = 0; r < n; ++r) {
+            const int64_t t = r0 + r;
+            float* l = crow[r];
+            X* lo = lp + t * E;
+            float mx = -std::numeric_limits<float>::infinity();
+            for (int64_t j = 0; j < E; ++j) {  // the logits as stored, and their max
+              lo[j] = from_f32<X>(l[j]);
+              l[j] = f32(lo[j]);
+              mx = std::max(mx, l[j]);
+            }
+            int64_t j = 0;
+            vf vs = vzero();
+            for (; j + VW <= E; j += VW) {
+              const vf e = vexp(vsub(vloadu(l + j), vset1(mx)));
+              vstoreu(l + j, e);
+              vs = vadd(vs, e);
+            }
+            float sum = vsum(vs);
+            for (; j < E; ++j) sum += (l[j] = exp_f32(l[j] - mx));
+            j = 0;
+            for (; j + VW <= E; j += VW) vstoreu(l + j, vdiv(vloadu(l + j), vset1(sum)));
+            for (; j < E; ++j) l[j] /= sum;
+            float* v = vp + t * K;
+            undecided[t] = !topk_row(l, E, K, v, ip + t * K);
+            if (renorm) {
+              float s = 0.f;
+              for (int64_t k = 0; k < K; ++k) s += v[k];
+              for (int64_t k = 0; k < K; ++k) v[k] /= s;
+            }
+          }
+        }
+      });
+    });
+  });
+  return {logits, weights, ids, flagged_rows(undecided, x.options())};
+#else
+  TORCH_CHECK(false, "router_softmax_topk: needs a vector layer, not in this build");
 #endif
 }
 
