@@ -69,14 +69,33 @@ def router_panel(num_experts: int, dtype: torch.dtype) -> int:
     return min(widths, key=lambda w: (-(-num_experts // w) * w, -w))
 
 
-def pack_router(weight: torch.Tensor, panel: int) -> torch.Tensor:
-    """The router weight [E, H] -> column panels [ceil(E / panel), H, panel], zero past E."""
-    e, h = weight.shape
-    padded = weight.new_zeros(-(-e // panel) * panel, h)
-    padded[:e] = weight.detach()
-    from .linear_tiled import pack_linear
+def router_vnni(hidden: int, dtype: torch.dtype) -> bool:
+    """Whether a router of ``dtype`` runs ``router_softmax_topk`` here on the vnni layout and the AVX512-BF16
+    GEMM: bfloat16, H a multiple of 32, on a CPU with AVX512-BF16 and no AMX (AMX hosts keep oneDNN's AMX
+    linear for the logits, then the routing kernel)."""
+    ext = fused.installed()
+    return (dtype == torch.bfloat16 and ext is not None and hidden % 32 == 0
+            and ext.moe_tiled_bf16_gemm() == "avx512_bf16")
 
-    return pack_linear(padded, panel)
+
+def pack_router(weight: torch.Tensor, panel: int | None = None) -> torch.Tensor | None:
+    """The router weight [E, H], zero-padded past E, packed for ``router_softmax_topk``: in ``panel``-column
+    panels [ceil(E / panel), H, panel]; with ``panel`` None, in this host's form: vnni [EP / 16, H / 32, 16, 32]
+    (EP: E rounded up to 32) where ``router_vnni``, else the panels of ``router_panel``; None where the fused
+    router does not run here."""
+    from .linear_tiled import pack_linear
+    from .moe_tiled import pack_tiled
+
+    e, h = weight.shape
+    vnni = panel is None and router_vnni(h, weight.dtype)
+    if panel is None and not vnni:
+        panel = router_panel(e, weight.dtype)
+        if not panel:
+            return None
+    width = 32 if vnni else panel
+    padded = weight.new_zeros(-(-e // width) * width, h)
+    padded[:e] = weight.detach()
+    return pack_tiled(padded[None], 16, vnni=True)[0] if vnni else pack_linear(padded, panel)
 
 
 def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor | None, top_k: int,
@@ -84,15 +103,12 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, panels: torch.Ten
     """(logits [T, E] x.dtype, weights [T, K] float32, ids [T, K]): ``router_logits`` (16-bit or float32, not the
     DeepSeek routers) then ``softmax_topk``, in one call of the fused CPU kernel on the router weight packed by
     ``pack_router`` (``panels``): its logits sum in k order (not bitwise with F.linear; within the dtype's
-    tolerance). Rows with a tie or a NaN among the chosen take softmax_topk on their logits. Elsewhere (no
+    tolerance). Rows with a tie or a NaN among the chosen take torch.topk's choice and order. Elsewhere (no
     panels, another device, autograd, no fused module) the two kernels run on ``weight``."""
     ext = fused.module()
     if (panels is not None and ext is not None and x.device.type == "cpu" and x.dtype == panels.dtype
             and not (torch.is_grad_enabled() and x.requires_grad)):
-        logits, weights, ids, undecided = ext.router_softmax_topk(x.contiguous(), panels, weight.shape[0], top_k,
-                                                                  renormalize)
-        if undecided.numel():
-            weights[undecided], ids[undecided] = softmax_topk(logits[undecided], top_k, renormalize)
+        logits, weights, ids, _ = ext.router_softmax_topk(x.contiguous(), panels, weight.shape[0], top_k, renormalize)
         return logits, weights, ids
     logits = router_logits(x, weight, False)
     return (logits, *softmax_topk(logits, top_k, renormalize))

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from adapt.runtime.host_memory import empty_huge
 from adapt.runtime.kernels.moe_experts import onednn_packs, pack_expert_weights
-from adapt.runtime.kernels.moe_routing import pack_router, router_panel
+from adapt.runtime.kernels.moe_routing import pack_router
 from adapt.runtime.kernels.moe_tiled import pack_tiled, tiled_panel, tiles
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.layers import Linear, _param, linear, slot_loader
@@ -156,14 +156,12 @@ class MoE(nn.Module):
         return n + 2 * len(self.experts)
 
     def _pack_router(self) -> int:
-        """The softmax router's weight in column panels for the fused router kernel (router_softmax_topk),
-        where it runs here (router_panel); the plain weight stays (the twins and other devices read it)."""
-        wr = self.gate.weight
-        p = 0 if self.deepseek or self.router_panels is not None else router_panel(wr.shape[0], wr.dtype)
-        if not p:
+        """The softmax router's weight packed for the fused router kernel (router_softmax_topk) where it runs
+        here (pack_router); the plain weight stays (the twins and other devices read it)."""
+        if self.deepseek or self.router_panels is not None:
             return 0
-        self.router_panels = pack_router(wr, p)
-        return 1
+        self.router_panels = pack_router(self.gate.weight)
+        return int(self.router_panels is not None)
 
     def run_experts(self, k, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts this rank holds on x [T, H] (weights [T, K], global ids [T, K])."""

@@ -54,7 +54,7 @@ def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh
     ``panel``: a dense [N, K] weight packed in the same kernel's column panels (linear_tiled.pack_linear);
     ``transposed``: [E, N, K] weights held as views of [E, K, N] storage, as the runtime's MoE holds them;
     ``router``: the router weight [E, H] just before, packed here for the fused router where it runs
-    (moe_routing.router_panel; elsewhere None, and the kernel runs its two-kernel form, as the runtime does)."""
+    (moe_routing.pack_router; elsewhere None, and the kernel runs its two-kernel form, as the runtime does)."""
     kwargs = kwargs or {}
 
     def make(dtype: torch.dtype):
@@ -84,10 +84,9 @@ def _case(args: list[Any], kwargs: dict[str, Any] | None = None, out=_ret, fresh
                                           "where oneDNN has no native linear for them, with a vector layer)")
                 y = pack_linear(y, tiled_panel(y.dtype))
             if i in router:
-                from adapt.runtime.kernels.moe_routing import pack_router, router_panel
+                from adapt.runtime.kernels.moe_routing import pack_router
 
-                p = router_panel(a[-1].shape[0], a[-1].dtype)
-                y = pack_router(a[-1], p) if p else None
+                y = pack_router(a[-1])
             if i in transposed:
                 y = y.transpose(1, 2).contiguous().transpose(1, 2)
             a.append(y.clone() if i in fresh else y)

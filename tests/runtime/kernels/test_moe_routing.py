@@ -216,10 +216,12 @@ def _router_cases():
 @pytest.mark.parametrize("case", list(_router_cases()), ids=lambda c: f"{str(c[0])[6:]}-{c[1]}x{c[2]}-e{c[3]}k{c[4]}"
                          f"{'-renorm' if c[5] else ''}")
 def test_fused_router_is_logits_then_softmax_topk(case):
-    # every panel width the build takes: logits within the dtype's tolerance of F.linear's, and the weights and
-    # ids exactly softmax_topk's on the logits it returns (ties and NaNs go to torch.topk)
+    # every panel width the build takes, and the vnni form where this CPU runs it: logits within the dtype's
+    # tolerance of F.linear's, and the weights and ids exactly softmax_topk's on the logits it returns (ties and
+    # NaNs go to torch.topk)
     from adapt.runtime.kernels.linear_tiled import unpack_linear
-    from adapt.runtime.kernels.moe_routing import pack_router, router_softmax_topk
+    from adapt.runtime.kernels.moe_routing import pack_router, router_softmax_topk, router_vnni
+    from adapt.runtime.kernels.moe_tiled import unpack_tiled
 
     from ._tol import assert_fp32_close, assert_lowp_close
 
@@ -229,10 +231,16 @@ def test_fused_router_is_logits_then_softmax_topk(case):
     x = torch.randn(t, h, generator=g).to(dtype)
     w = (torch.randn(e, h, generator=g) * 0.2).to(dtype)
     ref32 = torch.nn.functional.linear(x.float(), w.float())
-    for p in ext.ROUTER_PANELS:
-        panels = pack_router(w, p)
-        assert panels.shape == (-(-e // p), h, p)
-        plain = unpack_linear(panels)
+    forms = list(ext.ROUTER_PANELS) + (["vnni"] if router_vnni(h, dtype) else [])
+    for p in forms:
+        if p == "vnni":
+            panels = pack_router(w)
+            assert panels.shape == (-(-e // 32) * 2, h // 32, 16, 32)
+            plain = unpack_tiled(panels[None])[0]
+        else:
+            panels = pack_router(w, p)
+            assert panels.shape == (-(-e // p), h, p)
+            plain = unpack_linear(panels)
         assert torch.equal(plain[:e], w) and not plain[e:].any()  # zero past E
         logits, weights, ids = router_softmax_topk(x, w, panels, k, renorm)
         assert logits.dtype == dtype and logits.shape == (t, e) and weights.dtype == torch.float32
@@ -255,10 +263,11 @@ def test_fused_router_hands_ties_and_nans_to_torch_topk():
     w[5] = w[2]  # experts 2 and 5 tie on every token: where both are chosen, torch.topk's order decides
     x[7] = 0.0  # a zero hidden state: every logit 0, all 16 experts tie
     x[9, 3] = float("nan")
+    x[11] = 1e30  # logits overflow: +inf among them makes torch's softmax of the row NaN
     panels = pack_router(w, ext.ROUTER_PANELS[-1])
     logits, weights, ids = router_softmax_topk(x, w, panels, 4, True)
     _, _, _, undecided = ext.router_softmax_topk(x, panels, 16, 4, True)
-    assert {7, 9} <= set(undecided.tolist())  # the kernel says which rows it cannot decide
+    assert {7, 9, 11} <= set(undecided.tolist())  # the kernel says which rows it cannot decide
     wt, it = softmax_topk(logits, 4, True)
     assert torch.equal(ids, it)
     torch.testing.assert_close(weights, wt, rtol=2e-6, atol=1e-7, equal_nan=True)
@@ -281,6 +290,25 @@ def test_router_panel_pads_least():
     assert router_panel(32, torch.float64) == 0
 
 
+def test_pack_router_takes_the_hosts_form():
+    from adapt.runtime.kernels.moe_routing import pack_router, router_panel, router_vnni
+
+    ext = _router_ext()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for h in (64, 48):
+            w = torch.randn(8, h).to(dtype)
+            got = pack_router(w)
+            if router_vnni(h, dtype):
+                assert got.shape == (2, h // 32, 16, 32)
+            elif router_panel(8, dtype):
+                assert got.shape == (1, h, router_panel(8, dtype))
+            else:
+                assert got is None
+    # bfloat16 takes the vnni form exactly where the tiled MoE kernel runs AVX512-BF16 without AMX
+    assert router_vnni(64, torch.bfloat16) == (ext.moe_tiled_bf16_gemm() == "avx512_bf16")
+    assert not router_vnni(48, torch.bfloat16) and not router_vnni(64, torch.float32)
+
+
 def test_fused_router_rejects_what_it_cannot_read():
     from adapt.runtime.kernels.moe_routing import pack_router
 
@@ -298,3 +326,8 @@ def test_fused_router_rejects_what_it_cannot_read():
     odd = torch.zeros(1, 32, ext.ROUTER_PANELS[-1] * 3)
     with pytest.raises(RuntimeError, match="vectors"):
         ext.router_softmax_topk(x, odd, 8, 2, True)  # a panel width the build does not take
+    xb = x.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="vnni"):  # 16 columns: the bfloat16 GEMM takes pairs of 16
+        ext.router_softmax_topk(xb, torch.zeros(1, 1, 16, 32, dtype=torch.bfloat16), 8, 2, True)
+    with pytest.raises(RuntimeError, match="vnni"):  # float32 in the vnni layout
+        ext.router_softmax_topk(x, torch.zeros(2, 1, 16, 32), 8, 2, True)

@@ -509,41 +509,117 @@ inline void with_nv(int64_t nv, F&& f) {
 #endif
 
 // The softmax router (Mixtral, Qwen-MoE) in one call: logits [T, E] = x @ Wr^T (x's dtype, rounded once from
-// float32 sums in k order), the float32 softmax of the logits as stored, its K largest in order (topk_row:
-// the rows it leaves undecided, ties and NaNs, are returned for torch.topk), divided by their sum where
-// ``renorm``. Returns (logits, weights [T, K] float32, ids [T, K] int64, undecided rows [U] int64). Wr: the
-// router weight [E, H] in column panels [ceil(E / RP), H, RP] of x's dtype (RP = VW * nv, nv = FMA_NV or
-// fewer, so that few experts pad little), zero past E. In place of F.linear, softmax, topk and a division:
-// right after the experts' kernel has swept the caches, the float32 bench router at 512 tokens (H 512, 32
-// experts, top-4) took 0.44 ms through those four dispatches, 0.25 ms with hot caches.
+// float32 sums), the float32 softmax of the logits as stored, its K largest in order (topk_row; the rows it
+// leaves undecided, ties and NaNs, take at::topk, torch.topk's order), divided by their sum where ``renorm``.
+// Returns (logits, weights [T, K] float32, ids [T, K] int64, the undecided rows [U] int64). Wr: the router weight
+// [E, H], zero past E, either
+//  - in column panels [ceil(E / RP), H, RP] of x's dtype (RP = VW * nv, nv = FMA_NV or fewer, so that few
+//    experts pad little) for the FMA GEMM (sums in k order); or
+//  - bfloat16 vnni-packed [EP / 16, H / 32, 16, 32] (EP = E rounded up to 32; H % 32 == 0) for the AVX512-BF16
+//    GEMM (dp_gemm; pairs of k per step), where the CPU has it and no AMX.
+// In place of F.linear, softmax, topk and a division: right after the experts' kernel has swept the caches,
+// the float32 bench router at 512 tokens (H 512, 32 experts, top-4) took 0.44-0.54 ms through those four
+// dispatches (0.25 ms with hot caches), and 0.20-0.27 ms here.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> router_softmax_topk(torch::Tensor x,
                                                                                           torch::Tensor wr, int64_t E,
                                                                                           int64_t K, bool renorm) {
 #ifdef ADAPT_VW
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && wr.dim() == 3 && wr.is_contiguous() &&
-                  wr.scalar_type() == x.scalar_type() && wr.size(1) == x.size(1) && wr.size(2) % VW == 0 &&
-                  wr.size(0) * wr.size(2) >= E && E >= 1,
-              "router_softmax_topk: contiguous x [T, H] and the router weight in panels [ceil(E / RP), H, RP] of "
-              "its dtype, RP a multiple of ", VW);
+  const bool vnni = wr.dim() == 4;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && wr.is_contiguous() && wr.scalar_type() == x.scalar_type() &&
+                  E >= 1 && (vnni || wr.dim() == 3),
+              "router_softmax_topk: contiguous x [T, H] and the router weight in its dtype, in panels [ceil(E / RP), "
+              "H, RP] or vnni-packed [EP / 16, H / 32, 16, 32]");
+  const int64_t T = x.size(0), H = x.size(1);
+  int64_t EP, RP = 0;  // the weight's columns (E padded); RP: a panel's
+  if (vnni) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && bf16_gemm_kind() == 1 && wr.size(1) * 32 == H &&
+                    wr.size(2) == 16 && wr.size(3) == 32 && wr.size(0) % 2 == 0 && wr.size(0) * 16 >= E,
+                "router_softmax_topk: vnni-packed panels [EP / 16, H / 32, 16, 32] of bfloat16, EP a multiple of 32 "
+                "and H of 32, on a CPU with AVX512-BF16 and no AMX");
+    EP = wr.size(0) * 16;
+  } else {
+    TORCH_CHECK(wr.size(1) == H && wr.size(2) % VW == 0 && wr.size(0) * wr.size(2) >= E,
+                "router_softmax_topk: panels [ceil(E / RP), H, RP] for x [T, H], RP a multiple of ", VW);
+    RP = wr.size(2);
+    EP = wr.size(0) * RP;
+  }
   TORCH_CHECK(K >= 1 && K <= E, "router_softmax_topk: need 1 <= K <= E");
-  const int64_t T = x.size(0), H = x.size(1), NP = wr.size(0), RP = wr.size(2), EP = NP * RP;
+  const int64_t NP = EP / std::max<int64_t>(RP, 1);
   auto logits = torch::empty({T, E}, x.options());
   auto weights = torch::empty({T, K}, x.options().dtype(at::kFloat));
   auto ids = torch::empty({T, K}, x.options().dtype(at::kLong));
   std::vector<uint8_t> undecided(T, 0);
+  std::unique_ptr<float[]> held(new float[T * E]);  // the probabilities of undecided rows, for at::topk
   float* vp = weights.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
+  auto norm = [&](float* v) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += v[k];
+    for (int64_t k = 0; k < K; ++k) v[k] /= s;
+  };
+  // rows per thread: about 2 MFLOP of logits each, at least one pass of RC rows
+  constexpr int64_t RC = 48;  // rows per pass over the weight: 4 row blocks of the narrow FMA panels' 12
+  const int64_t rows_per = std::max<int64_t>(RC, (int64_t{1} << 20) / std::max<int64_t>(1, H * EP));
   float_bf16_or_half(x, "router_softmax_topk", [&](auto tag) {
     using X = decltype(tag);
     const X* xp = x.data_ptr<X>();
     const X* wp = wr.data_ptr<X>();
     X* lp = logits.data_ptr<X>();
+    // c [n, EP]: rows r0 .. r0 + n - 1's float32 sums -> their logits, softmax, top-k and weights
+    auto finish = [&](float* c, int64_t r0, int64_t n) {
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t t = r0 + r;
+        float* l = c + r * EP;
+        X* lo = lp + t * E;
+        float mx = -std::numeric_limits<float>::infinity();
+        bool nan = false;
+        for (int64_t j = 0; j < E; ++j) {  // the logits as stored, and their max
+          lo[j] = from_f32<X>(l[j]);
+          l[j] = f32(lo[j]);
+          nan = nan || std::isnan(l[j]);
+          mx = std::max(mx, l[j]);
+        }
+        if (nan || (std::isinf(mx) && mx > 0)) {
+          // torch's softmax: the whole row NaN (topk_row leaves the row to at::topk)
+          std::fill(l, l + E, std::numeric_limits<float>::quiet_NaN());
+        } else {
+          int64_t j = 0;
+          vf vs = vzero();
+          for (; j + VW <= E; j += VW) {
+            const vf e = vexp(vsub(vloadu(l + j), vset1(mx)));
+            vstoreu(l + j, e);
+            vs = vadd(vs, e);
+          }
+          float sum = vsum(vs);
+          for (; j < E; ++j) sum += (l[j] = exp_f32(l[j] - mx));
+          j = 0;
+          for (; j + VW <= E; j += VW) vstoreu(l + j, vdiv(vloadu(l + j), vset1(sum)));
+          for (; j < E; ++j) l[j] /= sum;
+        }
+        float* v = vp + t * K;
+        undecided[t] = !topk_row(l, E, K, v, ip + t * K);
+        if (undecided[t]) std::memcpy(held.get() + t * E, l, E * sizeof(float));
+        else if (renorm) norm(v);
+      }
+    };
+    if (vnni) {
+#ifdef ADAPT_DPBF16
+      if constexpr (std::is_same_v<X, bf16>) {
+        at::parallel_for(0, T, rows_per, [&](int64_t t0, int64_t t1) {
+          std::unique_ptr<float[]> c(new float[RC * EP]);
+          for (int64_t r0 = t0; r0 < t1; r0 += RC) {
+            const int64_t n = std::min<int64_t>(RC, t1 - r0);
+            dp_gemm(xp + r0 * H, n, H, wp, EP, c.get(), EP);
+            finish(c.get(), r0, n);
+          }
+        });
+      }
+#endif
+      return;
+    }
     with_nv(RP / VW, [&](auto nvc) {
       constexpr int NV = decltype(nvc)::value;
       constexpr int MR = NV == FMA_NV ? FMA_MR : 12;  // 12 x 2 or 12 x 1 accumulators for a narrow panel
-      constexpr int64_t RC = 4 * MR;                   // rows per pass over the panels
-      // rows per thread: about 2 MFLOP of logits each, at least one pass
-      const int64_t rows_per = std::max<int64_t>(RC, (int64_t{1} << 20) / std::max<int64_t>(1, H * EP));
       at::parallel_for(0, T, rows_per, [&](int64_t t0, int64_t t1) {
         std::unique_ptr<float[]> xa(std::is_same_v<X, float> ? nullptr : new float[RC * H]), c(new float[RC * EP]);
         const float* arow[RC];
@@ -564,41 +640,31 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> router_so
               fma_block<decltype(rows)::value, NV>(arow + m0, H, wp + pb * H * RP, nullptr,
                                                    static_cast<const X*>(nullptr), 0, StoreRows<float>{crow + m0, pb * RP});
             });
-          for (int64_t r = 0; r < n; ++r) {
-            const int64_t t = r0 + r;
-            float* l = crow[r];
-            X* lo = lp + t * E;
-            float mx = -std::numeric_limits<float>::infinity();
-            for (int64_t j = 0; j < E; ++j) {  // the logits as stored, and their max
-              lo[j] = from_f32<X>(l[j]);
-              l[j] = f32(lo[j]);
-              mx = std::max(mx, l[j]);
-            }
-            int64_t j = 0;
-            vf vs = vzero();
-            for (; j + VW <= E; j += VW) {
-              const vf e = vexp(vsub(vloadu(l + j), vset1(mx)));
-              vstoreu(l + j, e);
-              vs = vadd(vs, e);
-            }
-            float sum = vsum(vs);
-            for (; j < E; ++j) sum += (l[j] = exp_f32(l[j] - mx));
-            j = 0;
-            for (; j + VW <= E; j += VW) vstoreu(l + j, vdiv(vloadu(l + j), vset1(sum)));
-            for (; j < E; ++j) l[j] /= sum;
-            float* v = vp + t * K;
-            undecided[t] = !topk_row(l, E, K, v, ip + t * K);
-            if (renorm) {
-              float s = 0.f;
-              for (int64_t k = 0; k < K; ++k) s += v[k];
-              for (int64_t k = 0; k < K; ++k) v[k] /= s;
-            }
-          }
+          finish(c.get(), r0, n);
         }
       });
     });
   });
-  return {logits, weights, ids, flagged_rows(undecided, x.options())};
+  // undecided rows: torch.topk's choice and order among equal values (the transformers routers call it), here
+  // rather than in Python (bfloat16 logits tie in some row of nearly every 512-token call: the Python fallback
+  // cost 0.19 ms right after the experts' kernel)
+  auto rows = flagged_rows(undecided, x.options());
+  const int64_t U = rows.numel();
+  if (U) {
+    const int64_t* rp = rows.data_ptr<int64_t>();
+    auto probs = torch::empty({U, E}, weights.options());
+    for (int64_t u = 0; u < U; ++u) std::memcpy(probs.data_ptr<float>() + u * E, held.get() + rp[u] * E, E * 4);
+    auto [tv, ti] = at::topk(probs, K, -1, true, true);
+    auto tvc = tv.contiguous();
+    auto tic = ti.contiguous();
+    for (int64_t u = 0; u < U; ++u) {
+      float* v = vp + rp[u] * K;
+      std::memcpy(v, tvc.data_ptr<float>() + u * K, K * 4);
+      std::memcpy(ip + rp[u] * K, tic.data_ptr<int64_t>() + u * K, K * 8);
+      if (renorm) norm(v);
+    }
+  }
+  return {logits, weights, ids, rows};
 #else
   TORCH_CHECK(false, "router_softmax_topk: needs a vector layer, not in this build");
 #endif
