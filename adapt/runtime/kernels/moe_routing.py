@@ -106,7 +106,7 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, panels: torch.Ten
     tolerance). Rows with a tie or a NaN among the chosen take torch.topk's choice and order. Elsewhere (no
     panels, another device, autograd, no fused module) the two kernels run on ``weight``."""
     ext = fused.module()
-    if (panels is not None and ext is not None and x.device.type == "cpu" and x.dtype == panels.dtype
+    if (panels is not None and ext is not None and x.is_cpu and x.dtype == panels.dtype
             and not (torch.is_grad_enabled() and x.requires_grad)):
         logits, weights, ids, _ = ext.router_softmax_topk(x.contiguous(), panels, weight.shape[0], top_k, renormalize)
         return logits, weights, ids

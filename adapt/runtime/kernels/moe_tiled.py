@@ -34,7 +34,7 @@ def moe_experts_tiled(
     [E, H, I]): out [T, H] (x.dtype). The fused CPU kernel runs it where it takes the tensors (CPU, no
     autograd); otherwise the weights are unpacked (a copy) and the stacked kernel runs."""
     ext = fused.module()
-    if (ext is not None and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
+    if (ext is not None and x.is_cpu and not (torch.is_grad_enabled() and x.requires_grad)
             and x.dtype in _dtypes(ext)):
         # no conversion dispatched where none is needed (each costs ~10 us right after the kernel's last call
         # has swept the caches)

@@ -92,6 +92,7 @@ class MoE(nn.Module):
         self.hidden_size = h
         self.packed: tuple[nn.ParameterList, nn.ParameterList] | None = None  # set by pack_experts
         self.tiled: nn.ParameterList | None = None  # [gate_up, down] packed by pack_experts
+        self._tiled_pair: tuple[torch.Tensor, torch.Tensor] | None = None  # the same two, read by run_experts
         self.router_panels: torch.Tensor | None = None  # the softmax router's weight in panels (pack_experts)
         self._names = [(n(i, "expert_gate", x), n(i, "expert_up", x), n(i, "expert_down", x)) for x in self.experts]
         self.shared = (DenseMLP(n, i, h, m.shared_intermediate_size, ctx, kind="shared")
@@ -141,6 +142,9 @@ class MoE(nn.Module):
             p = tiled_panel(w.dtype)
             self.tiled = nn.ParameterList([nn.Parameter(pack_tiled(t.detach(), p, empty=empty_huge), requires_grad=False)
                                            for t in (self.w_gate_up, self.w_down)])
+            # a plain tuple for the forward: unpacking the ParameterList (Module attribute lookups) took 26-37 us
+            # a call right after the experts' kernel had swept the caches
+            self._tiled_pair = (self.tiled[0], self.tiled[1])
             self.w_gate_up = self.w_down = None
             return n + 2
         if (w.dtype != torch.float32 or w.dtype not in dtypes or not onednn_packs(w.dtype)
@@ -165,8 +169,8 @@ class MoE(nn.Module):
 
     def run_experts(self, k, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts this rank holds on x [T, H] (weights [T, K], global ids [T, K])."""
-        if self.tiled is not None:
-            gu, dn = self.tiled
+        if self._tiled_pair is not None:
+            gu, dn = self._tiled_pair
             return k.moe_experts_tiled(x, weights, ids, gu, dn, self.expert_offset, TACTICS.run)
         if self.packed is not None:
             return k.moe_experts_packed(x, weights, ids, *self._packed_lists, self.expert_offset, TACTICS.run)
