@@ -105,6 +105,29 @@ def test_pickle_refused_unless_allowed(tiny_ckpts, tmp_path):
     assert verify(tmp_path / "o", source=d, allow_pickle=True).ok
 
 
+
+class _RunsCode:
+    """A pickle payload that would create a file when unpickled by a full (not weights-only) unpickler."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_that_runs_code_is_refused_even_when_allowed(tiny_ckpts, tmp_path):
+    # --allow-pickle loads with torch.load(weights_only=True): a payload with code is refused, not run
+    src = tiny_ckpts["qwen2"]
+    d = tmp_path / "evil"
+    d.mkdir()
+    (d / "config.json").write_text((src / "config.json").read_text())
+    marker = tmp_path / "ran"
+    torch.save({"model.embed_tokens.weight": _RunsCode(marker)}, d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        shard(d, tmp_path / "o", tp=2, allow_pickle=True)
+    assert not marker.exists() and not (tmp_path / "o").exists()
+
 def test_index_path_escape_refused(llama_ckpt, tmp_path):
     idx = json.loads((llama_ckpt / "model.safetensors.index.json").read_text())
     k = next(iter(idx["weight_map"]))
