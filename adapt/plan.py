@@ -171,7 +171,12 @@ def check_divisibility(spec: ModelSpec, tp: int, pp: int, ep: int, dp: int) -> N
         if ep != 1:
             raise PlanError(f"ep={ep} but the model has no experts")
         return
-    divide(tp * dp, ep, "ep over the tp x dp ranks of a stage")
+    if ep > 1 and (tp * dp) % ep:
+        raise PlanError(
+            f"--ep {ep} splits the experts over the tp x dp ranks of a pipeline stage, and this layout has "
+            f"tp x dp = {tp} x {dp} = {tp * dp} of them, not a multiple of {ep}; for {ep}-way expert parallelism "
+            f"use --tp {ep} --ep {ep} (vLLM's TP + expert parallel) or --dp {ep} --ep {ep} "
+            f"(SGLang's DP-attention + EP)")
     divide(m.num_experts, ep, "routed experts over ep")
     divide(m.intermediate_size, tp * dp // ep, "expert intermediate size over the ranks sharing an expert")
     if m.shared_intermediate_size:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from adapt.builtin import BUILTIN_CONFIGS, builtin_config
 from adapt.errors import ConfigError, ModelNotFoundError
@@ -68,25 +73,67 @@ def resolve_model(model: str) -> ModelSource:
         "or a hub id (owner/name)")
 
 
+def _hub_host_resolves(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether the hub's host name resolves within ``timeout`` seconds (getaddrinfo itself has no timeout)."""
+    host = urlparse(endpoint).hostname
+    if not host:
+        return False
+    done: list[bool] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
+            done.append(True)
+        except OSError:
+            done.append(False)
+
+    t = threading.Thread(target=lookup, daemon=True)
+    t.start()
+    t.join(timeout)
+    return bool(done and done[0])
+
+
+@contextlib.contextmanager
+def _quiet_hub():
+    """huggingface_hub logs its retries ("... thrown while requesting HEAD ...") before it raises; adapt says one line."""
+    log = logging.getLogger("huggingface_hub")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _from_hub(repo_id: str) -> ModelSource:
     try:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import constants, hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
     except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
         raise ModelNotFoundError(f"huggingface_hub is not installed: cannot fetch {repo_id}") from e
     cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    # No network: the hub client would spend ~20 s retrying a name that does not resolve. Look the host up first
+    # and, when it does not resolve, answer from the cache alone.
+    unreachable = not offline and not _hub_host_resolves(constants.ENDPOINT)
     try:
-        try:
-            local = hf_hub_download(repo_id, "config.json")
-        except LocalEntryNotFoundError as e:  # offline / unreachable and not cached (an EntryNotFoundError too)
-            raise ConnectionError(str(e)) from e
+        with _quiet_hub():
+            try:
+                local = hf_hub_download(repo_id, "config.json", local_files_only=offline or unreachable,
+                                        etag_timeout=5)
+            except LocalEntryNotFoundError as e:  # offline / unreachable and not cached (an EntryNotFoundError too)
+                raise ConnectionError(str(e)) from e
     except (RepositoryNotFoundError, EntryNotFoundError) as e:
         raise ModelNotFoundError(f"hub repo {repo_id!r} has no config.json or does not exist") from e
     except Exception as e:  # offline, unreachable, gated: huggingface_hub raises many types
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-        why = "HF_HUB_OFFLINE is set and it is not in the cache" if offline else "the hub is unreachable"
+        if offline:
+            why = "HF_HUB_OFFLINE is set and it is not in the cache"
+        elif unreachable:
+            why = f"the hub's host {urlparse(constants.ENDPOINT).hostname} does not resolve (no network?) " \
+                  "and it is not in the cache"
+        else:
+            why = f"the hub is unreachable ({type(e).__name__})"
         raise ModelNotFoundError(
-            f"cannot fetch config.json of {repo_id!r}: {why} ({type(e).__name__}); "
-            f"download it into the cache ({cache}) or pass a local directory; "
-            "set HF_HUB_OFFLINE=1 to use the cache only") from e
+            f"cannot fetch config.json of {repo_id!r}: {why}; "
+            f"download it into the cache ({cache}) or pass a local directory or config.json") from e
     return ModelSource(repo_id, read_config(Path(local)), None, "hub")

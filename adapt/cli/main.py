@@ -26,6 +26,7 @@ _EXIT = tuple({typer.Exit, getattr(cx, "Exit", typer.Exit)})
 _ABORT = tuple({typer.Abort, getattr(cx, "Abort", typer.Abort)})
 
 from adapt import __version__
+from adapt.cli.missing import missing_package_line
 from adapt.errors import AdaptError
 
 app = typer.Typer(
@@ -96,6 +97,11 @@ def _debug() -> bool:
     return os.environ.get("ADAPT_DEBUG", "") not in ("", "0")
 
 
+def _internal_error(e: BaseException) -> None:
+    print(f"internal error: {type(e).__name__}: {e} (set ADAPT_DEBUG=1 for the traceback)", file=sys.stderr)
+    sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script and of ``python -m adapt``."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -122,10 +128,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(1)
+    except ModuleNotFoundError as e:  # a package this environment lacks: name it and how to install it
+        line = missing_package_line(e)
+        if _debug():
+            raise
+        if line is None:
+            _internal_error(e)
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(1)
     except Exception as e:  # an internal bug: still one line unless debugging
         if _debug():
             raise
-        print(f"internal error: {type(e).__name__}: {e} (set ADAPT_DEBUG=1 for the traceback)", file=sys.stderr)
-        sys.exit(1)
+        _internal_error(e)
     if isinstance(rv, int) and rv:
         sys.exit(rv)

@@ -25,6 +25,7 @@ _I = Optional[int]
 
 
 def plan_cmd(
+    ctx: typer.Context,
     model: ModelArg,
     hardware: Annotated[Optional[str], typer.Option("--hardware", "-H", help="Built-in accelerator name or a "
                                                     "hardware YAML (default h100-sxm).")] = None,
@@ -75,6 +76,7 @@ def plan_cmd(
     work = Workload(context=context, concurrency=concurrency, weights_dtype=weights_dtype, kv_dtype=kv_dtype,
                     max_ttft_s=max_ttft_s, max_tpot_s=max_tpot_s, objective=objective, include_mtp=mtp)
     if check is not None:
+        work = _recorded_workload(check, work, ctx)
         return _check(check, src.name, spec, cluster, work, fmt, emit_engine)
     result = search(spec, cluster, work, model=src.name)
     rec = result.recommended
@@ -108,6 +110,30 @@ def _flags(engine, name, c, cluster, work) -> list[str]:
 
     return launch_flags(engine, name, c.tp, c.pp, c.ep, c.dp, c.nodes, work.context, work.concurrency,
                         cluster.memory_utilization, work.kv_dtype)
+
+
+# the workload options a plan.yaml from `adapt plan --out` records, by their Workload field
+_RECORDED = ("context", "concurrency", "weights_dtype", "kv_dtype")
+
+
+def _recorded_workload(path: Path, work, ctx: typer.Context):
+    """The workload a plan was searched for (its `workload:` section), for every option not given on this command
+    line: `plan --out plan.yaml --weights-dtype fp8` then `plan --check plan.yaml` checks it at fp8, not native."""
+    import dataclasses
+
+    from adapt.fileio import read_yaml
+
+    doc = read_yaml(path, PlanError, "plan")
+    recorded = doc.get("workload") if isinstance(doc, dict) else None
+    if not isinstance(recorded, dict):
+        return work
+    # typer carries its own copy of click, so the source is compared by name
+    given = {k for k in _RECORDED if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") != "DEFAULT"}
+    keep = {k: recorded[k] for k in _RECORDED if k not in given and k in recorded}
+    try:
+        return dataclasses.replace(work, **keep)
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"{path}: workload: {e}") from e
 
 
 def _check(path, name, spec, cluster, work, fmt, emit_engine) -> None:

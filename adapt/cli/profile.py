@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from adapt.cli.options import ContextOpt, FormatOpt, HardwareOpt, KvDtypeOpt, ModelArg, OutOpt, WeightsDtypeOpt
@@ -18,26 +19,79 @@ from adapt.source import resolve_model
 FORMATS = ("table", "json", "csv", "md", "html")
 
 
-def render_table(profile, console: Console) -> None:
-    """Print the summary and one aggregated table per phase; narrow consoles drop the shape/byte split."""
-    from adapt.profile.render import HEADERS, NARROW_HEADERS, phases, summary_lines, table_rows
+# Columns a narrower console gives up first, in this order; the last set standing is the narrowest table.
+DROP_ORDER = ("activations", "KV", "weights", "input", "output", "share", "count", "op", "bytes")
+TEXT_COLUMNS = ("layers", "module", "op")
 
-    wide = console.width >= 180
-    drop = set() if console.width >= 120 else {"op", "share"}
-    headers = HEADERS if wide else [h for h in NARROW_HEADERS if h not in drop]
+
+def _table(ph: str, rows: list[dict[str, str]], headers: list[str], boxed: bool) -> Table:
+    """One phase's table; every cell stays whole (no_wrap): a number and its unit are never cut or folded."""
+    t = Table(title=ph, title_justify="left", header_style="bold", pad_edge=False,
+              box=box.HEAVY_HEAD if boxed else box.SIMPLE_HEAD)
+    for h in headers:
+        t.add_column(h, justify="left" if h in TEXT_COLUMNS else "right", no_wrap=True)
+    for row in rows:
+        style = {"compute": "yellow", "memory": "cyan"}.get(row["bound"])
+        t.add_row(*[f"[{style}]{row[h]}[/{style}]" if (h == "bound" and style) else row[h] for h in headers])
+    return t
+
+
+def _width(console: Console, table: Table) -> int:
+    """Columns the table needs with every cell whole."""
+    return Measurement.get(console, console.options.update(width=10_000), table).maximum
+
+
+def table_layout(console: Console, rows: list[dict[str, str]], headers: list[str]) -> tuple[list[str], bool] | None:
+    """The widest column set whose table fits the console, dropping columns in DROP_ORDER; None when even the
+    narrowest does not fit (the caller then prints one record per row)."""
+    cols = list(headers)
+    for drop in (None,) + DROP_ORDER:
+        if drop is not None:
+            cols = [h for h in cols if h != drop]
+        for boxed in (True, False):
+            if _width(console, _table("", rows, cols, boxed)) <= console.width:
+                return cols, boxed
+    return None
+
+
+def _records(console: Console, ph: str, rows: list[dict[str, str]], headers: list[str]) -> None:
+    """One row per block, its fields packed into lines of the console's width, each field whole."""
+    console.print(f"[bold]{ph}[/bold]", highlight=False)
+    for row in rows:
+        console.print(" ".join(row[h] for h in ("layers", "module") if row[h]) + f" ({row['op']})", highlight=False,
+                      overflow="fold")  # names may wrap; the figures below never do
+        line, fields = "  ", [f"{h} {row[h]}" for h in headers if h not in TEXT_COLUMNS]
+        for f in fields:
+            if len(line) > 2 and len(line) + 2 + len(f) > console.width:
+                console.print(line, highlight=False, soft_wrap=True)
+                line = "  "
+            line += ("  " if len(line) > 2 else "") + f
+        console.print(line, highlight=False, soft_wrap=True)
+
+
+def render_table(profile, console: Console) -> None:
+    """Print the summary and one aggregated table per phase, as wide as the console allows: columns are dropped
+    (the byte split and shapes first) before any cell would be cut, and a console too narrow for the narrowest
+    table gets one record per row."""
+    from adapt.profile.render import HEADERS, phases, summary_lines, table_rows
+
     for label, value in summary_lines(profile):
         console.print(f"[bold]{label}[/bold]: {value}", highlight=False, soft_wrap=True)
     for ph in phases(profile):
-        t = Table(title=ph, title_justify="left", header_style="bold", pad_edge=False,
-                  box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD)
-        for h in headers:
-            t.add_column(h, justify="left" if h in ("layers", "module", "op") else "right",
-                         no_wrap=wide or h not in ("layers", "module"), overflow="fold",
-                         min_width={"layers": 12, "module": 20}.get(h) if not wide else None)
-        for row in table_rows(profile, ph):
-            style = {"compute": "yellow", "memory": "cyan"}.get(row["bound"])
-            t.add_row(*[f"[{style}]{row[h]}[/{style}]" if (h == "bound" and style) else row[h] for h in headers])
-        console.print(t)
+        rows = table_rows(profile, ph)
+        layout = table_layout(console, rows, HEADERS)
+        if layout is None:
+            _records(console, ph, rows, HEADERS)
+        else:
+            console.print(_table(ph, rows, *layout))
+
+
+def full_width(profile) -> int:
+    """Columns the full table needs: a pipe or a file gets every column, uncut."""
+    from adapt.profile.render import HEADERS, phases, table_rows
+
+    probe = Console(width=10_000, file=io.StringIO())
+    return max([80] + [_width(probe, _table("", table_rows(profile, ph), HEADERS, True)) for ph in phases(profile)])
 
 
 def profile_cmd(
@@ -64,9 +118,9 @@ def profile_cmd(
     if fmt == "table":
         if out is None:
             console = Console()
-            render_table(prof, console if console.is_terminal else Console(width=200))  # piped: no 80-col wrap
+            render_table(prof, console if console.is_terminal else Console(width=full_width(prof)))
             return
-        console = Console(record=True, width=200, file=io.StringIO())
+        console = Console(record=True, width=full_width(prof), file=io.StringIO())
         render_table(prof, console)
         text = console.export_text()
     else:

@@ -75,7 +75,6 @@ def table_rows(profile: Profile, phase: str) -> list[dict[str, str]]:
 
 HEADERS = ["layers", "module", "op", "count", "input", "output", "FLOPs", "bytes", "weights", "activations", "KV",
            "FLOP/B", "bound", "time", "share"]
-NARROW_HEADERS = ["layers", "module", "op", "count", "FLOPs", "bytes", "FLOP/B", "bound", "time", "share"]
 
 
 def phases(profile: Profile) -> list[str]:

@@ -48,11 +48,12 @@ def tensor_stats(x: torch.Tensor) -> dict[str, float]:
 
 def dump_golden(
     model: str | Path, out: str | Path, max_new_tokens: int = 16, top_n: int = 20,
-    long_lengths: Sequence[int] = DEFAULT_LONG, long_budget_s: float = 60.0,
+    long_lengths: Sequence[int] = DEFAULT_LONG, long_budget_s: float = 60.0, memory_budget: float | None = None,
 ) -> dict[str, Any]:
     """Run the float32 CPU reference on MODEL and write a golden directory; returns golden.json's content.
 
-    Long-context rungs beyond ``max_position_embeddings`` are left out, and so is every rung after one
+    Long-context rungs beyond ``max_position_embeddings`` are left out, so is every rung whose attention scores
+    would not fit ``memory_budget`` bytes (default 80% of the memory free now), and so is every rung after one
     whose estimated time (quadratic in length from the last rung run) exceeds ``long_budget_s``.
     """
     from safetensors.torch import save_file
@@ -78,6 +79,10 @@ def dump_golden(
     for length in sorted(long_lengths):
         if ref.max_position_embeddings and length > ref.max_position_embeddings:
             skipped.append({"length": length, "reason": f"beyond max_position_embeddings {ref.max_position_embeddings}"})
+            continue
+        too_big = ref.long_rung_too_big(length, memory_budget)
+        if too_big:
+            skipped.append({"length": length, "reason": too_big})
             continue
         if last is not None and last[1] * (length / last[0]) ** 2 > long_budget_s:
             skipped.append({"length": length, "reason": f"estimated {last[1] * (length / last[0]) ** 2:.0f}s "

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from adapt.errors import ValidationInputError
+from adapt.validate.memory import available_memory, long_prefill_bytes
 from adapt.validate.target import Generation, layer_names
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -181,6 +182,15 @@ class HFReference:
         if key not in self._cache:
             self._cache[key] = fn()
         return self._cache[key]
+
+    def long_rung_too_big(self, length: int, budget: float | None = None) -> str | None:
+        """Why a ``length``-token prefill would not fit ``budget`` bytes (default 80% of the memory free now), or
+        None: transformers' CPU attention holds every head's L x L scores at once."""
+        need = long_prefill_bytes(self.model.model.config, length)
+        budget = 0.8 * available_memory() if budget is None else budget
+        if need <= budget:
+            return None
+        return f"the reference needs ~{need / 1e9:.1f} GB for its attention scores > {budget / 1e9:.1f} GB free"
 
     def logits(self, i: int) -> torch.Tensor:
         return self._memo(("logits", i), lambda: self.model.prefill_logits(self.prompts[i]))

@@ -131,6 +131,13 @@ def open_target(path: str | Path, runtime: str = "auto", device: str = "cpu", dt
         raise ValidationInputError(f"--runtime must be one of {', '.join(RUNTIMES)}; got {runtime!r}")
     kind = detect_kind(p)
     manifest = _read_manifest(p)
+    plan = (manifest or {}).get("plan") or {}
+    world = (manifest or {}).get("world_size") or (plan.get("world_size") if isinstance(plan, dict) else None)
+    if kind == "shard" and isinstance(world, int) and world > 1:
+        raise ValidationInputError(
+            f"target {p} is sharded for {world} ranks and validate runs its target in one process: shard for one "
+            f"rank (`adapt shard SOURCE --out DIR`) and validate that, or validate SOURCE itself (its "
+            f"parallel_consistency item runs the multi-rank layouts against one rank)")
     eng = engine_module()
     if runtime == "adapt" or (runtime == "auto" and eng is not None):
         if eng is None:

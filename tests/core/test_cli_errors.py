@@ -131,3 +131,30 @@ def test_commands_registered_across_calls(capsys):
             assert e.code == 0, argv
         out = capsys.readouterr().out
         assert text in out, (argv, out[-500:])
+
+
+def test_a_missing_package_is_named_with_its_install_command(capsys, tmp_path, monkeypatch):
+    """The newcomer's `adapt day0` stopped with "internal error: ModuleNotFoundError: No module named
+    'transformers'". transformers is a base dependency now; a package missing anyway is named with the command that
+    installs it, read from adapt's own requirements (base or extra), never "internal error"."""
+    from importlib import metadata
+
+    from adapt.cli.missing import missing_package_line
+
+    reqs = ["transformers>=4.57", "pytest>=8; extra == \"test\"", "triton>=3; extra == \"triton\""]
+    monkeypatch.setattr(metadata, "requires", lambda name: reqs)
+    line = missing_package_line(ModuleNotFoundError("x", name="transformers"))
+    assert "'transformers'" in line and "one of adapt's dependencies" in line and "pip install -e ." in line
+    assert "pip install 'adapt[triton]'" in missing_package_line(ModuleNotFoundError("x", name="triton.language"))
+    assert "pip install some-pkg" in missing_package_line(ModuleNotFoundError("x", name="some_pkg"))
+    assert missing_package_line(ModuleNotFoundError("x", name="adapt.nothing")) is None  # adapt's own: a bug
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ModuleNotFoundError
+    from adapt.runtime.init_model import init_model
+
+    ckpt = init_model("tiny-llama", tmp_path / "m")
+    code, out, err = run(["validate", "dump", str(ckpt), "--out", str(tmp_path / "g")], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: this command needs the Python package "
+                                                                 "'transformers'"), err
+    assert "internal error" not in err and not (tmp_path / "g" / "golden.json").exists()

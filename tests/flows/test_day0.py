@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -50,11 +49,10 @@ def test_day0_on_a_given_model_with_a_short_checklist(tmp_path):
 
 
 @pytest.mark.slow
-def test_day0_with_no_argument_builds_tiny_k2_and_finishes_in_3_minutes(tmp_path):
+def test_day0_with_no_argument_builds_tiny_k2(tmp_path):
+    # no timed assertion (a test must not depend on the machine's speed): .ci/run's first stage prints the time
     out = tmp_path / "day0"
-    t0 = time.perf_counter()
     rc = run_cli("day0", "--out", out)
-    assert time.perf_counter() - t0 < 180
     assert rc == 0
     _check_dir(out, with_model=True)
     assert (out / "model" / "config.json").is_file()

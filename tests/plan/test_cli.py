@@ -138,3 +138,39 @@ def test_cluster_file(capsys, tmp_path):
 ])
 def test_zero_is_an_error_not_the_default(capsys, tmp_path, argv, field):
     assert field in _one_line_error(capsys, tmp_path, L405, *argv)
+
+
+def test_check_uses_the_workload_the_plan_was_searched_for(capsys, tmp_path):
+    """`plan --out plan.yaml --weights-dtype fp8` then `plan --check plan.yaml` (the README's two lines) checks the
+    plan at fp8: before, --check fell back to the native bf16 and said 104 GB per device does not fit."""
+    f = tmp_path / "plan.yaml"
+    code, _, _ = run(capsys, L405, "-H", "h100-sxm", "--max-nodes", "2", "--weights-dtype", "fp8", "--out", str(f))
+    assert code == 0
+    code, out, err = run(capsys, "--check", str(f), L405, "-H", "h100-sxm")
+    assert code == 0 and "OK tp8.pp1.ep1.dp1" in out, err
+    code, _, err = run(capsys, "--check", str(f), L405, "-H", "h100-sxm", "--weights-dtype", "bf16")  # given: wins
+    assert code != 0 and "does not fit" in err
+
+
+def test_ep_alone_names_the_two_layouts_it_likely_means(capsys, tmp_path):
+    """`--ep 2` with tp = dp = 1 used to say "ep over the tp x dp ranks of a stage: 1 is not divisible by 2
+    (1 = 0 x 2 + 1)"; now one line says what ep spans and the two layouts a user likely means."""
+    from adapt.runtime.init_model import init_model
+
+    ckpt = init_model("tiny-k2", tmp_path / "k2")
+    plan = tmp_path / "plan.yaml"  # a hand-written plan: one rank, ep 2
+    plan.write_text("degrees: {tp: 1, pp: 1, ep: 2, dp: 1}\nworld_size: 1\n")
+    for argv in (["shard", str(ckpt), "--out", str(tmp_path / "out"), "--ep", "2"],
+                 ["plan", "--check", str(plan), str(ckpt)]):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        _, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert code != 0 and len(lines) == 1, err
+        assert "--ep 2 splits the experts over the tp x dp ranks of a pipeline stage" in lines[0]
+        assert "--tp 2 --ep 2 (vLLM's TP + expert parallel)" in lines[0]
+        assert "--dp 2 --ep 2 (SGLang's DP-attention + EP)" in lines[0]
+    assert not (tmp_path / "out").exists()

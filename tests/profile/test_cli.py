@@ -91,3 +91,46 @@ def test_template_loads():
 
     hw = load_hardware(str(HARDWARE_DIR / "template.yaml"))
     assert hw.peak_flops("bfloat16") == 8.0e14 and hw.memory_bandwidth == 3.0e12
+
+
+@pytest.fixture(scope="module")
+def kimi_profile():
+    from adapt.hardware import load_hardware
+    from adapt.profile import profile_model
+    from adapt.source import resolve_model
+
+    return profile_model(resolve_model(KIMI).spec(), load_hardware("h100-sxm"))
+
+
+@pytest.mark.parametrize("width", [30, 40, 60, 80, 100, 120, 150, 179, 180, 200, 240])
+def test_table_never_cuts_a_number_or_its_unit(kimi_profile, width):
+    """At any console width every FLOPs, FLOP/B, bound and time cell is printed whole (the 200-column table used
+    to show "17.3" for 17.3 T and "comput" for compute), and no table line is wider than the console."""
+    from collections import Counter
+
+    from rich.console import Console
+
+    from adapt.cli.profile import render_table
+    from adapt.profile.render import phases, summary_lines, table_rows
+
+    console = Console(width=width, file=io.StringIO(), record=True, color_system=None)
+    render_table(kimi_profile, console)
+    text = console.export_text()
+    tokens = Counter(re.findall(r"[^\s│┃]+(?: (?:[kKMGTPE]B?|B|[mun]?s)(?![^\s│┃]))?", text))
+    want = Counter()
+    for ph in phases(kimi_profile):
+        for row in table_rows(kimi_profile, ph):
+            want.update(row[h] for h in ("FLOPs", "FLOP/B", "bound", "time"))
+    missing = {v: n for v, n in want.items() if tokens[v] < n}
+    assert not missing, f"cut or missing at width {width}: {missing}"
+    body = text.splitlines()[len(summary_lines(kimi_profile)):]
+    assert max(len(line) for line in body) <= width
+
+
+def test_piped_table_has_every_column(capsys):
+    code, out, _ = run(["profile", KIMI, "--phase", "prefill"], capsys)
+    assert code == 0
+    header = next(line for line in out.splitlines() if "FLOPs" in line)
+    for h in ("input", "output", "weights", "activations", "KV", "share", "bound"):
+        assert h in header
+    assert "comput " not in out and re.search(r"\b\d+(\.\d+)? T\b", out)

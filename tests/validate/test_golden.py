@@ -44,3 +44,19 @@ def test_sample_index_is_seeded_and_sorted():
     assert torch.equal(sample_index(64), torch.arange(64))
     a, b = sample_index(7168), sample_index(7168)
     assert torch.equal(a, b) and a.numel() == 256 and bool((a[1:] > a[:-1]).all())
+
+
+def test_long_rungs_that_would_exhaust_memory_are_skipped_with_the_reason(models, tmp_path):  # noqa: F811
+    """The 32K rung of tiny-k2 needs ~52 GB in transformers' CPU attention: `validate dump` was killed by the OOM
+    killer on a 24 GB host. A rung over the memory budget is skipped and says why; the ones that fit still run."""
+    from adapt.validate.golden import dump_golden
+    from adapt.validate.memory import long_prefill_bytes
+
+    ref = HFReference(models["clean"])
+    budget = long_prefill_bytes(ref.model.model.config, 64) * 1.5  # 64 fits, 128 (4x) does not
+    doc = dump_golden(models["clean"], tmp_path / "g", max_new_tokens=2, long_lengths=(64, 128),
+                      memory_budget=budget)
+    assert doc["long_context"]["lengths"] == [64]
+    (skip,) = doc["long_context"]["skipped"]
+    assert skip["length"] == 128 and "attention scores" in skip["reason"]
+    assert ref.long_rung_too_big(64, budget) is None and ref.long_rung_too_big(128, budget)

@@ -112,6 +112,10 @@ def long_context(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx
         if limit and length > limit:
             skipped.append(f"{length}: beyond max_position_embeddings {limit}")
             continue
+        too_big = getattr(ctx.reference, "long_rung_too_big", None)  # a live reference computes the rung here
+        if too_big is not None and too_big(length):
+            skipped.append(f"{length}: {too_big(length)}")
+            continue
         if last is not None and last[1] * (length / last[0]) ** 2 > budget:
             skipped.append(f"{length}: estimated {last[1] * (length / last[0]) ** 2:.0f}s > budget {budget:.0f}s")
             continue

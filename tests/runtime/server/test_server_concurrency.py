@@ -97,6 +97,13 @@ def test_timeout_and_disconnect_abort_and_free_the_cache(tiny_llama):
 
     assert _hold_back("hello wo", ("world",)) == "hello " and _hold_back("abc", ("x",)) == "abc"
     eng = load_engine(tiny_llama)
+    step = eng.runner.step
+
+    def slow_step(*args, **kwargs):  # 250 tokens take >= 250 x 20 ms = 5 s on any machine: the 0.2 s timeout fires
+        time.sleep(0.02)
+        return step(*args, **kwargs)
+
+    eng.runner.step = slow_step
     with start_server(eng, port=0, config=ServiceConfig("m", request_timeout_s=0.2)) as srv:
         c = Client(srv.url)
         status, body = c.post("/v1/completions", {"prompt": "hi", "max_tokens": 250, "ignore_eos": True})
