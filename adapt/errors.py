@@ -57,3 +57,7 @@ class ValidationInputError(AdaptError):
 
 class SignatureError(ValidationInputError):
     """A baseline whose signature is missing or does not verify (exit 2)."""
+
+
+class ImageInputError(AdaptError):
+    """An image a user passed cannot be used: unreadable, not an image, truncated, too large, too many."""

@@ -259,6 +259,12 @@ def parse_text(cfg: dict[str, Any], mt: str) -> ModelSpec:
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos(cfg), text_model_type=mt)
 
 
+def _feature_layer(v: Any) -> int:
+    if isinstance(v, (list, tuple)):  # several layers concatenated (llava-next style): not in adapt's runtime
+        raise UnsupportedModelError(f"vision_feature_layer {list(v)}: several feature layers are not supported")
+    return int(v)
+
+
 def parse_multimodal(cfg: dict[str, Any], mt: str) -> ModelSpec:
     vcfg = dict(cfg.get("vision_config") or {})
     if mt == "llava":
@@ -277,8 +283,12 @@ def parse_multimodal(cfg: dict[str, Any], mt: str) -> ModelSpec:
                             patch_size=_int(vcfg, vd, "patch_size"), image_size=_int(vcfg, vd, "image_size"),
                             in_channels=_int(vcfg, vd, "num_channels"), out_hidden_size=text.hidden_size,
                             projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
-                            feature_layer=int(cfg.get("vision_feature_layer", -2)),
-                            image_token_id=cfg.get("image_token_index", cfg.get("image_token_id")))
+                            feature_layer=_feature_layer(cfg.get("vision_feature_layer", -2)),
+                            image_token_id=cfg.get("image_token_index", cfg.get("image_token_id")),
+                            hidden_act=str(vcfg.get("hidden_act", "quick_gelu")),
+                            projector_act=str(cfg.get("projector_hidden_act", "gelu")),
+                            select_strategy=str(cfg.get("vision_feature_select_strategy", "default")),
+                            norm_eps=float(vcfg.get("layer_norm_eps", 1e-5)))
     else:
         # qwen2_5_vl: older configs hold the text model at the top level; transformers 5 nests text_config.
         tcfg = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
@@ -296,7 +306,11 @@ def parse_multimodal(cfg: dict[str, Any], mt: str) -> ModelSpec:
                             temporal_patch_size=_int(vcfg, vd, "temporal_patch_size"),
                             spatial_merge_size=_int(vcfg, vd, "spatial_merge_size"),
                             out_hidden_size=_int(vcfg, vd, "out_hidden_size"),
-                            image_token_id=cfg.get("image_token_id"))
+                            image_token_id=cfg.get("image_token_id"), hidden_act=str(vcfg.get("hidden_act", "silu")),
+                            norm_eps=1e-6, window_size=int(vcfg.get("window_size", 112)),
+                            fullatt_blocks=tuple(int(i) for i in vcfg.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                            rope_theta=float((vcfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+                            vision_start_token_id=cfg.get("vision_start_token_id"))
     if vision.hidden_size % vision.num_heads:
         raise ConfigError(f"vision hidden_size ({vision.hidden_size}) is not divisible by its heads ({vision.num_heads})")
     return replace(text, model_type=mt, family=FAMILIES[mt], vision=vision, text_model_type=text.model_type)

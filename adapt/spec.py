@@ -112,6 +112,14 @@ class VisionSpec:
     projector_bias: bool = True
     feature_layer: int = -1
     image_token_id: int | None = None
+    hidden_act: str = "quick_gelu"  # the tower's MLP activation (clip: quick_gelu; qwen2_5_vl: silu)
+    projector_act: str = "gelu"  # llava's projector activation
+    select_strategy: str = "default"  # llava: 'default' drops the class token, 'full' keeps it
+    norm_eps: float = 1e-5  # clip LayerNorm eps (qwen2_5_vl's RMSNorms use 1e-6)
+    window_size: int = 0  # qwen2_5_vl window attention, in pixels
+    fullatt_blocks: tuple[int, ...] = ()  # qwen2_5_vl blocks with full attention
+    rope_theta: float = 10000.0  # qwen2_5_vl 2-D vision rope
+    vision_start_token_id: int | None = None
 
 
 @dataclass(frozen=True)

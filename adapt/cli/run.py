@@ -30,6 +30,10 @@ def run(
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text (repeatable).")] = None,
     prompt_ids: Annotated[Optional[list[str]], typer.Option("--prompt-ids", help="Token ids 1,2,3 (repeatable); "
                                                             "bypasses the tokenizer.")] = None,
+    image: Annotated[Optional[list[str]], typer.Option("--image", help="Image path, data: URL or http(s) URL "
+                                                      "(repeatable, in placeholder order); needs adapt[vision].")] = None,
+    allow_remote_images: Annotated[bool, typer.Option("--allow-remote-images",
+                                                      help="Let --image fetch http(s) URLs.")] = False,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each --prompt as a user message (chat template).")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1)] = 32,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 is greedy.")] = 0.0,
@@ -69,7 +73,8 @@ def run(
         note_cpu_kernel_build(device, kernels)
     kw = dict(chat=chat, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               stop=stop, ignore_eos=ignore_eos, device=device, dtype=dtype, kernels=kernels,
-              kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, prepack=prepack)
+              kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, prepack=prepack, images=image,
+              allow_remote_images=allow_remote_images)
     if mode == "rank":
         from adapt.runtime.distributed.faults import rank_guard
         from adapt.runtime.distributed.generate import run_distributed

@@ -50,8 +50,6 @@ def open_model(model: str | Path, ctx: ParallelContext) -> OpenedModel:
         cfg, presliced = read_config(path / "config.json"), False
         reader = None
     spec = ModelSpec.from_hf_config(cfg, name=path.name)
-    if spec.vision is not None:
-        raise CheckpointError(f"{spec.model_type}: adapt run serves the text families only")
     reader = reader if reader is not None else SafetensorsReader.from_dir(path)
     tok_dir = path if any((path / f).is_file() for f in ("tokenizer.json", "tiktoken.model")) else None
     tokenizer = None

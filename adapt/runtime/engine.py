@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from adapt.errors import RuntimeConfigError
+from adapt.errors import ImageInputError, RuntimeConfigError
 from adapt.layout import WeightLayout
 from adapt.runtime.cache.block_manager import BlockManager
 from adapt.runtime.cache.kv_pool import KVCacheSpec, KVPool, available_memory_bytes
@@ -36,7 +36,9 @@ from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.registry import model_class
 from adapt.runtime.parallel import SINGLE, ParallelContext
 from adapt.runtime.sampling import SamplingParams, make_generator, sample
-from adapt.runtime.scheduler import Scheduler
+from adapt.runtime.scheduler import Scheduler, Sequence
+from adapt.runtime.vision.processor import ImageProcessor
+from adapt.runtime.vision.request import make_request, step_inputs
 from adapt.runtime.tactics import STRATEGIES, STRATEGY_ENV
 from adapt.runtime.checkpoint import open_model
 from adapt.spec import ModelSpec
@@ -173,9 +175,10 @@ class Engine:
 
     # -- generation -----------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[GenerationResult]:
-        """Generate for every prompt (token ids) as one batch; results in prompt order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 images: list[list] | None = None) -> list[GenerationResult]:
+        """Generate for every prompt (token ids) as one batch; results in prompt order. ``images[i]``: prompt
+        i's preprocessed images (vision.processor.ImageInput), its placeholders already expanded."""
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -188,7 +191,9 @@ class Engine:
             bad = [t for t in p if not 0 <= int(t) < self.spec.vocab_size]
             if bad:
                 raise RuntimeConfigError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
-        seqs = [sched.add([int(t) for t in p], sp) for p, sp in zip(prompts, plist)]
+        images = images or [[] for _ in prompts]
+        seqs = [sched.add([int(t) for t in p], sp, mm=make_request(self.spec, [int(t) for t in p], im))
+                for p, sp, im in zip(prompts, plist, images)]
         gens = {s.seq_id: make_generator(sp, self.device) for s, sp in zip(seqs, plist)}
         st = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, steps=0, peak_blocks=0,
                   preemptions=0)
@@ -213,6 +218,11 @@ class Engine:
                 first_token_s = time.perf_counter() - t_start
             sched.postprocess(sb.seqs, tokens)
         self.last_stats = self._stats(st, time.perf_counter() - t_start, first_token_s)
+        mm = [s.mm for s in seqs if s.mm is not None]
+        if self.spec.vision is not None:  # the tower's share of the prefill time
+            self.last_stats["vision"] = {"images": sum(len(r.images) for r in mm),
+                                         "tokens": sum(im.num_tokens for r in mm for im in r.images),
+                                         "encoder_s": round(sum(r.encode_s for r in mm), 6)}
         return [GenerationResult(s.prompt_ids, list(s.output_ids), s.text, s.finish_reason, s.stop_reason)
                 for s in seqs]
 
@@ -245,9 +255,11 @@ class Engine:
     # -- validation hooks -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int], return_hidden_states: bool = False) -> PrefillOutput:
+    def prefill(self, token_ids: list[int], return_hidden_states: bool = False, images: list | None = None
+                ) -> PrefillOutput:
         """Logits of every position [T, V] (float32) of one prompt, computed without the cache; with
-        ``return_hidden_states`` every captured intermediate too (see the module docstring)."""
+        ``return_hidden_states`` every captured intermediate too (see the module docstring; with images
+        also the tower's: vision/clip.py, vision/qwen_vit.py)."""
         ids = torch.tensor([int(t) for t in token_ids], dtype=torch.long, device=self.device)
         n = ids.shape[0]
         if n == 0:
@@ -255,12 +267,25 @@ class Engine:
         fb = ForwardBatch("prefill", torch.arange(n, device=self.device), self.kernels,
                           cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=self.device),
                           capture={} if return_hidden_states else None, attn_tiles=prefill_tiles(n))
+        req = make_request(self.spec, [int(t) for t in token_ids], images or [])
+        if req is not None:
+            req.features = self.model.encode_images(req.images, self.kernels, fb.capture)
+            seq = Sequence(0, [int(t) for t in token_ids], None, mm=req)
+            fb.mm_embeds, fb.mrope_positions = step_inputs(self.model, self.kernels, [seq], self.device)
         logits = self.runner.execute(ids, fb, None)
         return PrefillOutput(logits, fb.capture or {})
 
-    def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def prefill_logits(self, token_ids: list[int], images: list | None = None) -> torch.Tensor:
         """[T, V] float32 logits of every position of one prompt."""
-        return self.prefill(token_ids).logits
+        return self.prefill(token_ids, images=images).logits
+
+    def image_processor(self):
+        """The checkpoint's image processor (vision/processor.py), loaded on first use."""
+        if self.spec.vision is None:
+            raise ImageInputError(f"{self.spec.model_type} has no vision tower: it takes no images")
+        if getattr(self, "_image_processor", None) is None:
+            self._image_processor = ImageProcessor(self.path, self.spec.vision)
+        return self._image_processor
 
 
 def _make_pool(spec: ModelSpec, net, ctx: ParallelContext, dev: torch.device, dtype: torch.dtype, memory,

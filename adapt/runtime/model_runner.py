@@ -14,6 +14,7 @@ from adapt.runtime.cache.kv_pool import KVPool
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.decoder import CausalLM
 from adapt.runtime.scheduler import ScheduledBatch
+from adapt.runtime.vision.request import decode_delta, step_inputs
 
 
 class ModelRunner:
@@ -39,11 +40,13 @@ class ModelRunner:
             slots = [x for m in sb.slot_mappings for x in m]
             fb = ForwardBatch("prefill", self._t(pos), self.kernels, slot_mapping=self._t(slots),
                               cu_seqlens=self._t(cu, torch.int32), kv=kv, attn_tiles=prefill_tiles(max(sb.context_lens)))
+            if any(s.mm is not None for s in sb.seqs):  # images: features into their placeholders, M-RoPE
+                fb.mm_embeds, fb.mrope_positions = step_inputs(self.model, self.kernels, sb.seqs, self.device)
             return self._t(ids), fb, self._t(cu[1:]) - 1
         width = max(len(t) for t in sb.block_tables)
         tables = [t + [0] * (width - len(t)) for t in sb.block_tables]
         lens = sb.context_lens
-        fb = ForwardBatch("decode", self._t([n - 1 for n in lens]), self.kernels,
+        fb = ForwardBatch("decode", self._t([n - 1 + decode_delta(s) for n, s in zip(lens, sb.seqs)]), self.kernels,
                           slot_mapping=self._t([m[0] for m in sb.slot_mappings]),
                           block_tables=self._t(tables, torch.int32), seq_lens=self._t(lens, torch.int32), kv=kv)
         return self._t([s.last_token_id for s in sb.seqs]), fb, None

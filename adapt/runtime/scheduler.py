@@ -60,6 +60,7 @@ class Sequence:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     text: str | None = None  # final output text, stop string and stop token removed
     num_preemptions: int = 0
+    mm: object | None = None  # the request's images and their features (vision/request.py); opaque here
     _checked_chars: int = field(default=0, init=False, repr=False)  # output text searched for stop strings
 
     @property
@@ -147,7 +148,8 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------------------------
 
-    def add(self, prompt_ids: list[int], params: StopParams, seq_id: int | None = None) -> Sequence:
+    def add(self, prompt_ids: list[int], params: StopParams, seq_id: int | None = None, mm: object | None = None
+            ) -> Sequence:
         """Queue a request; raises RuntimeConfigError if it could never fit the model or the cache."""
         if not prompt_ids:
             raise RuntimeConfigError("prompt must have at least one token")
@@ -169,7 +171,7 @@ class Scheduler:
         sid = next(self._ids) if seq_id is None else seq_id
         if sid in self._live:
             raise RuntimeConfigError(f"sequence id {sid} is already in use")
-        seq = Sequence(sid, list(prompt_ids), params)
+        seq = Sequence(sid, list(prompt_ids), params, mm=mm)
         self._live[sid] = seq
         self.waiting.append(seq)
         return seq

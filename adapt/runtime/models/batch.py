@@ -32,6 +32,8 @@ class ForwardBatch:
     rope: dict = field(default_factory=dict)  # cos/sin per rope, computed once per step
     memo: dict = field(default_factory=dict)  # other per-step values every layer shares
     attn_tiles: tuple[int, int] = (128, 256)  # prefill (q_tile, k_tile)
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [N] of the step, image features [N, H])
+    mrope_positions: torch.Tensor | None = None  # [3, T] Qwen2.5-VL prefill (models/qwen2_vl.py)
 
     @property
     def is_prefill(self) -> bool:

@@ -99,6 +99,9 @@ class CausalLM(nn.Module):
         next stage; a later stage passes the previous stage's pair as ``intermediate``."""
         if intermediate is None:
             h, residual = self.embed(input_ids), None
+            if batch.mm_embeds is not None:  # image features replace their placeholder tokens' embeddings
+                rows, feats = batch.mm_embeds
+                h = h.index_copy(0, rows, feats.to(h.dtype))
             batch.record("embed", h)
         else:
             h, residual = intermediate

@@ -6,6 +6,8 @@ from adapt.errors import UnsupportedModelError
 from adapt.runtime.models.decoder import CausalLM
 from adapt.runtime.models.deepseek import DeepseekForCausalLM
 from adapt.runtime.models.llama import LlamaForCausalLM
+from adapt.runtime.models.llava import LlavaForConditionalGeneration
+from adapt.runtime.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration
 from adapt.spec import ModelSpec
 
 MODELS: dict[str, type[CausalLM]] = {
@@ -13,6 +15,8 @@ MODELS: dict[str, type[CausalLM]] = {
     "mixtral": LlamaForCausalLM,
     "qwen_moe": LlamaForCausalLM,  # qwen2_moe, qwen3_moe
     "deepseek": DeepseekForCausalLM,  # deepseek_v2, deepseek_v3, kimi_k2
+    "llava": LlavaForConditionalGeneration,  # llava-1.5 (CLIP tower, llama-family text model)
+    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
 }
 
 
