@@ -96,22 +96,93 @@ def run_cmd(
     raise typer.Exit(res.exit_code)
 
 
+def _lengths(text: str | None, option: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out and text.strip() not in ("", "none") or any(n < 1 for n in out):
+        raise typer.BadParameter(f"{option} takes comma-separated positive token counts, e.g. 8,16; got {text!r}")
+    return out
+
+
 @validate_app.command("dump")
 def dump_cmd(
-    model: Annotated[Path, typer.Argument(help="Reference HF checkpoint directory.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Golden directory to write.")],
+    model: Annotated[Path, typer.Argument(help="Reference HF checkpoint directory (with --dry-run also a "
+                                          "config.json or hub id).")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Golden directory to write.")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 16,
     top_n: Annotated[int, typer.Option("--top-n", min=1, help="Logprobs kept per generated token.")] = 20,
     long_budget_s: Annotated[float, typer.Option("--long-budget-s", help="Time budget of the long-context "
                                                  "rungs (estimated per rung).")] = 60.0,
+    long_lengths: Annotated[Optional[str], typer.Option("--long-lengths", help="Long-context rungs, e.g. "
+                            "1024,8192 or none (default 1024,8192,32768; none with --stream).")] = None,
+    prompt_lengths: Annotated[Optional[str], typer.Option("--prompt-lengths", help="Lengths of the seeded "
+                              "prompts (default 8,16,24,32).")] = None,
+    stream: Annotated[bool, typer.Option("--stream", help="Layer-streamed reference: one layer and the "
+                                         "experts the prompts touch in memory, not the model.")] = False,
+    memory_budget: Annotated[Optional[str], typer.Option("--memory-budget", help="With --stream: bytes of "
+                             "float32 weights held at once, e.g. 32GB (default: no limit).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="With --stream: print the bytes it will read, "
+                                          "the peak memory and the time; read nothing.")] = False,
+    read_bandwidth: Annotated[Optional[str], typer.Option("--read-bandwidth", help="--dry-run: bytes/s to "
+                              "time the reads at (default: measured on the checkpoint's files).")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text | json.")] = "text",
 ) -> None:
     """Dump the float32 CPU reference of MODEL (prompts, top-k logprobs, per-layer samples) into GOLDEN."""
-    from adapt.validate.golden import dump_golden
+    from adapt.cli.output import check_choice, to_json
+    from adapt.units import parse_bytes
+    from adapt.validate.golden import DEFAULT_LONG, dump_golden
 
-    doc = dump_golden(model, out, max_new_tokens=max_new_tokens, top_n=top_n, long_budget_s=long_budget_s)
+    check_choice(fmt, ("text", "json"), "--format")
+    if (memory_budget or dry_run or read_bandwidth) and not stream:
+        raise typer.BadParameter("--memory-budget, --dry-run and --read-bandwidth go with --stream")
+    budget = None
+    if memory_budget is not None:
+        budget = parse_bytes(memory_budget)
+        if budget is None or budget <= 0:
+            raise typer.BadParameter(f"--memory-budget takes a size like 32GB; got {memory_budget!r}")
+    longs = _lengths(long_lengths, "--long-lengths")
+    longs = longs if longs is not None else ([] if stream else list(DEFAULT_LONG))
+    prompts = _lengths(prompt_lengths, "--prompt-lengths") or None
+    if dry_run:
+        from adapt.validate.stream_estimate import dry_run as estimate, fmt_bytes
+
+        bw = parse_bytes(read_bandwidth.removesuffix("/s")) if read_bandwidth else None
+        est = estimate(str(model), max_new_tokens, prompts, longs, budget, bw)
+        if fmt == "json":
+            typer.echo(to_json(est))
+            return
+        chunked = [r["layer"] for r in est["layers"] if r["experts_chunked"]]
+        err_console.print(
+            f"{est['model']}: {est['passes']} passes, reads {fmt_bytes(est['bytes_read'])}, peak memory "
+            f"{fmt_bytes(est['peak_memory_bytes'])} (weights {fmt_bytes(est['peak_weight_bytes'])}, KV "
+            f"{fmt_bytes(est['kv_cache_bytes'])}, baseline {fmt_bytes(est['baseline_bytes'])}), about "
+            f"{est['est_time_s']:.0f} s at {fmt_bytes(est['read_bandwidth'])}/s ({est['read_bandwidth_source']})"
+            + (f"; experts in chunks in layers {chunked[0]}-{chunked[-1]}" if chunked else ""),
+            markup=False, highlight=False)
+        return
+    if out is None:
+        raise typer.BadParameter("--out is required (the golden directory to write)")
+    kw = {"prompt_lengths": prompts} if prompts else {}
+    doc = dump_golden(model, out, max_new_tokens=max_new_tokens, top_n=top_n, long_lengths=longs,
+                      long_budget_s=long_budget_s, stream=stream, memory_budget=budget, **kw)
+    if fmt == "json":
+        typer.echo(to_json({k: doc[k] for k in ("model", "num_layers", "prompts", "long_context", "streamed")
+                            if k in doc}))
     err_console.print(f"wrote {out}/golden.json and tensors.safetensors: {len(doc['prompts'])} prompts, "
                       f"{doc['num_layers']} layers, long context {doc['long_context']['lengths']}",
                       markup=False, highlight=False)
+    st = doc.get("streamed")
+    if st:
+        from adapt.validate.stream_estimate import fmt_bytes
+
+        err_console.print(f"streamed: read {fmt_bytes(st['bytes_read'])} in {st['passes']} passes, peak "
+                          f"weights {fmt_bytes(st['peak_weight_bytes'])}, peak RSS "
+                          f"{fmt_bytes(st['rss']['peak_bytes'])} (baseline {fmt_bytes(st['rss']['baseline_bytes'])})",
+                          markup=False, highlight=False)
 
 
 def register(app: typer.Typer) -> None:

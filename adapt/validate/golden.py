@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from adapt.errors import ValidationInputError
-from adapt.validate.reference import HFReference
+from adapt.validate.reference import PROMPT_LENGTHS, HFReference
 from adapt.validate.target import Generation
 
 FORMAT = "adapt-golden"
@@ -48,17 +48,26 @@ def tensor_stats(x: torch.Tensor) -> dict[str, float]:
 
 def dump_golden(
     model: str | Path, out: str | Path, max_new_tokens: int = 16, top_n: int = 20,
-    long_lengths: Sequence[int] = DEFAULT_LONG, long_budget_s: float = 60.0, memory_budget: float | None = None,
+    long_lengths: Sequence[int] = DEFAULT_LONG, long_budget_s: float = 60.0, stream: bool = False,
+    memory_budget: float | None = None, prompt_lengths: Sequence[int] = PROMPT_LENGTHS,
 ) -> dict[str, Any]:
     """Run the float32 CPU reference on MODEL and write a golden directory; returns golden.json's content.
 
     Long-context rungs beyond ``max_position_embeddings`` are left out, so is every rung whose attention scores
     would not fit ``memory_budget`` bytes (default 80% of the memory free now), and so is every rung after one
     whose estimated time (quadratic in length from the last rung run) exceeds ``long_budget_s``.
+    ``stream``: the layer-streamed reference (``streamed.StreamedReference``: one layer and the experts the
+    prompts touch in memory; ``memory_budget`` then also bounds the float32 weights held at once); golden.json
+    then records what it read and held.
     """
     from safetensors.torch import save_file
 
-    ref = HFReference(model)
+    if stream:
+        from adapt.validate.streamed import StreamedReference
+
+        ref = StreamedReference(model, max_new_tokens, top_n, memory_budget, prompt_lengths)
+    else:
+        ref = HFReference(model, prompt_lengths)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -95,7 +104,7 @@ def dump_golden(
         long_done.append(length)
     doc = {
         "format": FORMAT, "version": VERSION, "model": str(model),
-        "config": ref.model.model.config.to_dict(),
+        "config": ref.config.to_dict(),
         "num_layers": ref.num_layers, "vocab_size": ref.vocab_size,
         "max_position_embeddings": ref.max_position_embeddings,
         "reference": ref.description, "prompts": ref.prompts,
@@ -103,9 +112,33 @@ def dump_golden(
         "layer_stats": stats, "long_context": {"lengths": long_done, "skipped": skipped},
         "tensors": "tensors.safetensors",
     }
+    if stream:
+        doc["streamed"] = ref.record()
     save_file(tensors, str(out / "tensors.safetensors"))
     (out / "golden.json").write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
     return doc
+
+
+def id_ranges(ids) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    ids = sorted(int(i) for i in ids)
+    parts, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def streamed_summary(st: dict[str, Any]) -> dict[str, Any]:
+    """What a report says of a streamed golden: bytes read, memory, and the experts loaded per layer."""
+    return {"bytes_read": st.get("bytes_read"), "passes": st.get("passes"),
+            "peak_weight_bytes": st.get("peak_weight_bytes"), "peak_rss_bytes": (st.get("rss") or {}).get("peak_bytes"),
+            "memory_budget": st.get("memory_budget"),
+            "experts_chunked_layers": st.get("experts_chunked_layers") or [],
+            "experts_loaded": {k: f"{len(v)}: {id_ranges(v)}" for k, v in (st.get("experts_per_layer") or {}).items()}}
 
 
 def is_golden(path: str | Path) -> bool:
@@ -137,7 +170,10 @@ class GoldenReference:
         self.vocab_size = int(doc["vocab_size"])
         self.max_position_embeddings = int(doc.get("max_position_embeddings") or 0)
         self.prompts = [list(map(int, p)) for p in doc["prompts"]]
-        self.description = f"golden {self.path} (of {doc.get('model', '?')})"
+        st = doc.get("streamed")
+        self.streamed = streamed_summary(st) if isinstance(st, dict) else None
+        self.description = (f"golden {self.path} (of {doc.get('model', '?')}"
+                            + (", layer-streamed reference)" if self.streamed else ")"))
 
     def logits(self, i: int) -> torch.Tensor:
         return self.tensors[f"logits.{i}"]

@@ -168,13 +168,14 @@ class HFReference:
 
     kind = "transformers"
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, prompt_lengths: Sequence[int] = PROMPT_LENGTHS):
         self.path = Path(path)
         self.model = TransformersModel.load(self.path, "cpu", "float32")
+        self.config = self.model.model.config
         self.num_layers = self.model.num_layers
         self.vocab_size = self.model.vocab_size
         self.max_position_embeddings = self.model.max_position_embeddings
-        self.prompts = fixed_prompts(self.vocab_size)
+        self.prompts = fixed_prompts(self.vocab_size, prompt_lengths)
         self._cache: dict[tuple, Any] = {}
         self.description = f"transformers float32 cpu: {self.path}"
 

@@ -83,6 +83,8 @@ def run_validation(
         device=device, dtype=dt, model=tgt.path.name, plan=manifest.get("plan"),
         manifest_hash=manifest.get("digest"), checkpoint_hash=checkpoint_hash(tgt.path),
         reference=ref.description, runtime=tgt.runtime, target=str(tgt.path), target_kind=tgt.kind)
+    if getattr(ref, "streamed", None):
+        env["reference_streamed"] = ref.streamed  # report.html: the reference was streamed, these experts loaded
     report = Report(items, env, ctx.first_divergence, ctx.layer_curve, checklist=cl.name)
     if base is not None:
         report.regressions = compare_to_baseline(report, base)
