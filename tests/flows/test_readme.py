@@ -172,6 +172,18 @@ RULES: list[Rule] = [
     Rule(r"^adapt validate \./shard-out --reference golden/ --out report/ --write-baseline baseline\.json "
          r"--signer \"Jane Doe\"$", _baseline),
     Rule(r"^adapt validate \./shard-out --reference golden/ --out report/ --baseline baseline\.json$", _ok()),
+    Rule(r"^adapt validate dump \./Kimi-K2-Instruct --stream --dry-run --memory-budget 32GB$",
+         _ok("passes", "reads", "peak memory"), needs=("Kimi-K2-Instruct",)),
+    Rule(r"^adapt validate dump deepseek-ai/DeepSeek-V3 --stream --dry-run --format json \| jq \.bytes_read$",
+         _json(lambda d: _assert(isinstance(d, int) and d > 10 ** 12, d))),
+    Rule(r"^adapt validate dump \./ref-model --out golden-streamed/ --stream --memory-budget 32GB$",
+         _ok("streamed: read", files=("golden-streamed/golden.json",)), needs=("ref-model",)),
+    # adapt slice
+    Rule(r"^adapt slice \./DeepSeek-V3 --out ds3-slice --layers 0-1 --experts 0-3$",
+         _ok("n_routed_experts", files=("ds3-slice/slice.json", "ds3-slice/config.json")), needs=("DeepSeek-V3",)),
+    Rule(r"^adapt slice verify ds3-slice --source \./DeepSeek-V3$", _ok("ok:")),
+    Rule(r"^adapt validate ds3-slice --reference ds3-slice --out slice-report/$",
+         _ok(files=("slice-report/report.html",))),
     # adapt day0
     Rule(r"^adapt day0 --out day0/$", _ok(files=("day0/day0.md", "day0/validate/report.html"))),
     Rule(r"^adapt day0 \./my-model --out day0/$", _ok(files=("day0/day0.md", "day0/validate/report.html")),
