@@ -72,6 +72,24 @@ class _Item:
     logits: torch.Tensor | None = None
 
 
+# model types transformers does not know whose checkpoints name an architecture it does (Kimi-K2 ships remote code
+# for DeepseekV3ForCausalLM): read as that architecture's config, never running the checkpoint's code
+_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def _hf_config(path: Path):
+    import transformers
+
+    from adapt.source import read_config
+
+    raw = read_config(path / "config.json")
+    alias = _ALIASES.get(raw.get("model_type"))
+    if alias is None or raw.get("model_type") in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        return transformers.AutoConfig.from_pretrained(path)
+    kw = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "transformers_version")}
+    return transformers.AutoConfig.for_model(alias, **kw)
+
+
 class StreamedModel:
     """A checkpoint run layer by layer by transformers' modules; every pass re-reads what it needs."""
 
@@ -93,7 +111,7 @@ class StreamedModel:
         self.budget = memory_budget
         check_budget(spec, memory_budget)  # before anything is read
         self.w = WeightStream(self.path, spec, WeightLayout.from_spec(spec))
-        config = transformers.AutoConfig.from_pretrained(self.path)
+        config = _hf_config(self.path)
         try:
             with torch.device("meta"):
                 model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -154,3 +154,14 @@ def _independent_count(config_path: str) -> int:
             per_expert = sum(t.nbytes for t in ts if t.expert == 0)
             total += min(E, tokens * k) * per_expert
     return total
+
+
+def test_kimi_k2_model_type_streams_as_deepseek_v3(tmp_path):
+    """Kimi-K2's config says model_type kimi_k2 (remote code transformers does not ship): streamed as DeepSeek-V3."""
+    _, m = save_tiny("deepseek_v3", tmp_path / "m")
+    a = dump_golden(m, tmp_path / "a", **KW)
+    cfg = json.loads((m / "config.json").read_text())
+    cfg.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (m / "config.json").write_text(json.dumps(cfg))
+    b = dump_golden(m, tmp_path / "b", stream=True, **KW)
+    assert _same(tmp_path / "a", tmp_path / "b") == [] and a["generation"] == b["generation"]
