@@ -28,7 +28,7 @@ from tests.fixtures.configs import SHARED_CONFIGS
 from tests.flows.readme_commands import Block, readme_blocks
 
 BLOCKS = readme_blocks()
-TIMEOUT = 300
+TIMEOUT = 900  # a hang guard only: day0 took >300 s once with six test runs sharing 2 cores
 
 
 @dataclass
