@@ -99,7 +99,9 @@ class TransformersModel:
         stages["config"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(p, config=config, dtype=dt)
+            auto = (transformers.AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None
+                    else transformers.AutoModelForCausalLM)  # llava, Qwen2.5-VL: the whole multimodal model
+            model = auto.from_pretrained(p, config=config, dtype=dt)
         except (OSError, ValueError) as e:
             raise ValidationInputError(f"reference {p}: transformers cannot load it ({e})") from None
         model = model.to(device).eval()

@@ -12,7 +12,8 @@ from adapt.validate.checklist import Skip
 from adapt.validate.checks.layers import locate_first_divergence
 from adapt.validate.checks.loading import manifest_verify, staged_init
 from adapt.validate.checks.operators import operator_alignment
-from adapt.validate.checks.paths import image_path, long_context, parallel_consistency
+from adapt.validate.checks.image import image_path
+from adapt.validate.checks.paths import long_context, parallel_consistency
 from adapt.validate.context import ValidationContext
 from adapt.validate.reference import HFReference, TransformersModel
 from adapt.validate.target import Target

@@ -15,7 +15,7 @@ def test_day0_loads_with_expected_shape():
     cl = load_checklist()
     assert [s.id for s in cl.sections] == SECTIONS
     assert {it.kind for it in cl.items()} == KINDS
-    assert cl.item("image_path").required is False
+    assert cl.item("image_path").required is True  # a text model skips it; a VLM must pass it
     assert {it.params["layout"] for it in cl.items() if it.kind == "parallel_consistency"} >= {"tp2", "ep2", "pp2"}
     assert cl.item("long_context_ladder").params["lengths"] == [1024, 8192, 32768]
     assert thresholds_for(cl.item("prefill_logits"), "float32") == {"cosine_min": 0.99999, "max_abs_max": 1e-4}

@@ -18,7 +18,7 @@ The processor flattens each image into patches grouped by m x m merge blocks. Th
      permutation restores the processor's order, which is the order of the placeholder tokens.
 
 Captured: ``vision.embed`` (patch embedding, processor order), ``vision.blocks.{i}`` (each block's
-output, put back in processor order), ``projector`` ([U, H], the merger's output in token order).
+output, in window order as transformers' blocks see it), ``projector`` ([U, H], the merger's output in token order).
 """
 
 from __future__ import annotations
@@ -98,13 +98,12 @@ class QwenVisionTower(nn.Module):
         order, cu_win = window_index(grids, v.spatial_merge_size, v.window_size, v.patch_size)
         order, cu_win = order.to(dev), cu_win.to(dev)
         perm = (order[:, None] * mu + torch.arange(mu, device=dev)).reshape(-1)  # patch permutation [N]
-        inverse = torch.argsort(perm)
         x, emb = x[perm], emb[perm]
         cos, sin = emb.cos(), emb.sin()
         cu_full = _frames_cu(grids, dev)
         for i, blk in enumerate(self.blocks):
             x = blk(x, cu_full if i in v.fullatt_blocks else cu_win, cos, sin, kernels)
-            _record(capture, f"vision.blocks.{i}", x[inverse])
+            _record(capture, f"vision.blocks.{i}", x)
         y = kernels.rms_norm(x, self.ln_q.weight, self.ln_q.eps).view(n // mu, -1)
         y = self.mlp2(torch.nn.functional.gelu(self.mlp0(y)))  # [U, H], window order
         y = y[torch.argsort(order)]

@@ -1,4 +1,4 @@
-"""image_path, parallel_consistency, long_context and kv_quant_impact.
+"""parallel_consistency, long_context and kv_quant_impact (image_path: checks/image.py).
 
 Each needs a stage that may be missing (a vision tower, the distributed runtime, a KV cache that can
 be quantized) and is ``skip`` with the reason then. The long-context ladder runs the rungs the model's
@@ -16,19 +16,6 @@ import torch
 
 from adapt.validate import compare
 from adapt.validate.checklist import Outcome, Skip, register_check
-
-
-@register_check("image_path")
-def image_path(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
-    cfg = getattr(ctx.reference, "doc", {}).get("config") if hasattr(ctx.reference, "doc") else None
-    if cfg is None and hasattr(ctx.reference, "model"):
-        cfg = ctx.reference.model.model.config.to_dict()
-    if not (cfg or {}).get("vision_config"):
-        raise Skip("text-only model: no vision tower")
-    run = ctx.target.runner
-    if run is None or not hasattr(run, "image_logits"):
-        raise Skip("the target runtime has no image path yet")
-    raise Skip("image references are not dumped yet")
 
 
 def _distributed_runner():

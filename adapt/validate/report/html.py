@@ -113,12 +113,34 @@ def _env() -> jinja2.Environment:
     return env
 
 
+_FIGURES = ("thumbnails", "per_image")
+
+
+def _thumbnails(metrics: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """image_path's images as thumbnails, each captioned with its size and per-image result."""
+    per = {r.get("image"): r for r in metrics.get("per_image") or [] if isinstance(r, Mapping)}
+    out = []
+    for t in metrics.get("thumbnails") or []:
+        src = str(t.get("thumbnail", ""))
+        if not src.startswith("data:image/png;base64,"):
+            continue
+        r = per.get(t.get("name"), {})
+        w, h = (t.get("size") or [0, 0])[:2]
+        bits = [f"{t.get('name')} {w}x{h}", f"{r['tokens']} tokens" if "tokens" in r else ""]
+        if "max_abs" in r:
+            bits.append(f"logits max_abs {fmt(r['max_abs'])}")
+        out.append({"src": src, "caption": ", ".join(b for b in bits if b)})
+    return out
+
+
 def render_html(report: Report) -> str:
     """The whole page as a string."""
     template = _env().from_string(resources.files(__package__).joinpath(TEMPLATE).read_text("utf-8"))
     sections: dict[str, list[dict[str, Any]]] = {}
     for it in report.items:
-        sections.setdefault(it.section, []).append({"item": it, "rows": metric_rows(it.metrics, it.thresholds)})
+        shown = {k: v for k, v in it.metrics.items() if k not in _FIGURES}  # image_path: thumbnails instead
+        sections.setdefault(it.section, []).append({"item": it, "rows": metric_rows(shown, it.thresholds),
+                                                    "thumbs": _thumbnails(it.metrics)})
     summary = report.summary
     return template.render(
         report=report, summary=summary, statuses=STATUSES, sections=sections,
