@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adapt.builtin import BUILTIN_CONFIGS
 from adapt.source import is_hub_id, resolve_model
 
 DEFAULT_MODEL = "tiny-k2"
@@ -146,9 +147,10 @@ def day0(model: str | None, out: str | Path, log: Callable[[str], None] = print,
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     c = _Chain(out, log)
-    if model is None:
-        mdir = out / "model"
-        st = c.cli("init", ["init-model", DEFAULT_MODEL, str(mdir)], [mdir / "config.json", mdir / "model.safetensors"])
+    if model is None or (model in BUILTIN_CONFIGS and not Path(model).expanduser().exists()):
+        mdir = out / "model"  # a built-in name (tiny-qwen2.5-vl ...): its checkpoint is written here first
+        st = c.cli("init", ["init-model", model or DEFAULT_MODEL, str(mdir)],
+                   [mdir / "config.json", mdir / "model.safetensors"])
         model = str(mdir) if st.status == "pass" else None
     if model is None:
         return _finish(c, t_all, None)

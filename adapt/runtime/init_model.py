@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from adapt.builtin import BUILTIN_CONFIGS, builtin_config
+from adapt.builtin import BUILTIN_CONFIGS, BUILTIN_IMAGE_TOKENS, BUILTIN_PROCESSORS, builtin_config
 from adapt.errors import AdaptError, ModelNotFoundError
 from adapt.fileio import cache_root
 from adapt.layout import TensorSpec, WeightLayout
@@ -30,9 +30,14 @@ from adapt.spec import ModelSpec
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
+_VISION_NORMS = ("norm.weight", "norm1.weight", "norm2.weight", "layernorm.weight", "layrnorm.weight", "ln_q.weight",
+                 "layer_norm1.weight", "layer_norm2.weight")
+
+
 def _tensor(t: TensorSpec, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed((zlib.crc32(t.name.encode()) + seed * 1_000_003) % 2**63)
-    if t.role.endswith("norm") or t.role in ("norm", "q_norm", "k_norm"):
+    if t.role.endswith("norm") or t.role in ("norm", "q_norm", "k_norm") or (
+            t.role in ("vision", "projector") and t.name.endswith(_VISION_NORMS)):
         return 1.0 + (torch.rand(t.shape, generator=g) - 0.5) * 0.2
     if t.role == "router":
         return torch.randn(t.shape, generator=g) * 0.1
@@ -81,15 +86,40 @@ def _write(cfg: dict, name: str, out: Path, seed: int) -> None:
     tensors = {t.name: _tensor(t, seed).to(getattr(torch, t.dtype)).contiguous() for t in layout.main() if t.is_param}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} | {"do_sample": False}
+    text = cfg.get("text_config") or cfg  # a multimodal built-in holds its special ids in text_config
+    gen = {k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} | {"do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-    build_tiny_tokenizer(out, vocab_size=spec.vocab_size)
+    extra = BUILTIN_IMAGE_TOKENS.get(name, ())
+    build_tiny_tokenizer(out, vocab_size=spec.vocab_size - len(extra))
+    if extra:  # a multimodal built-in: its image tokens, a chat template taking image parts, its image processor
+        _add_image_tokens(out, extra, name)
+
+
+_IMAGE_PLACEHOLDER = {"tiny-llava": "<image>", "tiny-qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+# ChatML with content parts: an image part renders as the model's placeholder text
+_VLM_CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['content'] is string %}"
+             "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] in ('image', 'image_url') %}"
+             "PLACEHOLDER{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+             "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _add_image_tokens(out: Path, tokens: tuple[str, ...], name: str) -> None:
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = _VLM_CHAT.replace("PLACEHOLDER", _IMAGE_PLACEHOLDER[name])
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (out / "preprocessor_config.json").write_text(json.dumps(BUILTIN_PROCESSORS[name], indent=2, sort_keys=True) + "\n")
 
 
 def builtin_checkpoint(name: str) -> Path:
     """The cached checkpoint of a built-in model, written on first use (atomically, by rename)."""
     target = cache_root() / "models" / name
-    if all((target / f).is_file() for f in FILES):
+    files = FILES + (("preprocessor_config.json",) if name in BUILTIN_PROCESSORS else ())
+    if all((target / f).is_file() for f in files):
         return target
     init_model(name, target)  # atomic: a reader sees the files whole or not at all
     return target

@@ -160,6 +160,12 @@ RULES: list[Rule] = [
          _json(lambda d: _assert(d["decode_tokens"] > 0 and d["prefill_tokens"] == 5, d))),
     Rule(r"^adapt run \./my-model --prompt \"Write a poem\" --chat ", lambda r: _tokens(r), needs=("my-model",)),
     Rule(r"^adapt run \./shards .*--device cuda", _ok(), skip=_no_cuda),
+    Rule(r"^adapt init-model tiny-qwen2\.5-vl \./tiny-vl$", _ok(files=("tiny-vl/preprocessor_config.json",))),
+    Rule(r"^adapt run \./tiny-vl --image photo\.png --prompt \"What is in the picture\?\" --chat --max-tokens 8$",
+         lambda r: _tokens(r), needs=("photo.png",)),
+    Rule(r"^adapt run \./tiny-vl --image photo\.png --prompt .*--format json \| jq \.stats\.vision$",
+         _json(lambda d: _assert(d["images"] == 1 and d["tokens"] > 0 and d["encoder_s"] > 0, d)),
+         needs=("photo.png",)),
     # adapt serve
     Rule(r"^adapt serve tiny-llama --port 0$", _ok(), background=True),
     Rule(r"^adapt serve \./ckpt --device cuda", _ok(), skip=_no_cuda),
@@ -233,6 +239,10 @@ def _prepare(name: str, cwd: Path, env: dict) -> None:
     elif name == "shard-out":
         _prepare("ref-model", cwd, env)
         _adapt("shard", "./ref-model", "--out", "./shard-out", cwd=cwd, env=env)  # one rank: validate runs one process
+    elif name == "photo.png":
+        from tests.runtime.vision.vlm import make_image
+
+        make_image(120, 80).save(cwd / name)
     elif name == "my-model":
         _adapt("init-model", "tiny-llama", "./my-model", cwd=cwd, env=env)
     else:

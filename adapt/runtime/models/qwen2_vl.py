@@ -4,6 +4,8 @@ is the plain one; a prefill with images carries ``ForwardBatch.mrope_positions``
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from adapt.runtime.models.attention import Rotary
@@ -14,7 +16,8 @@ from adapt.runtime.vision.qwen_vit import QwenVisionTower
 
 class MRotary(Rotary):
     def __init__(self, spec, rotary_dim, layout, kernels):
-        super().__init__(spec, rotary_dim, layout, kernels)
+        base = spec if spec.rope.type != "mrope" else replace(spec, rope=replace(spec.rope, type="default"))
+        super().__init__(base, rotary_dim, layout, kernels)  # mrope's frequencies are the default rope's
         self.section = tuple(dict(spec.rope.params).get("mrope_section", ()))
 
     def cos_sin(self, batch, dtype):
