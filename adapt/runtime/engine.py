@@ -110,13 +110,19 @@ class Engine:
     def __init__(self, model, spec: ModelSpec, ctx: ParallelContext, kernels, device: torch.device,
                  dtype: torch.dtype, pool: KVPool, block_size: int, tokenizer=None, eos_token_ids=(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 path: Path | None = None):
+                 path: Path | None = None, enable_prefix_caching: bool = False, enable_chunked_prefill: bool = False):
         self.model, self.spec, self.ctx, self.kernels = model, spec, ctx, kernels
         self.device, self.dtype, self.pool, self.tokenizer = device, dtype, pool, tokenizer
         # every layer windowed (Mistral v0.1): blocks that left the window go back to the pool
         windows = {spec.attention.window_of(i) for i in range(spec.num_layers)}
         window = windows.pop() if len(windows) == 1 else None
-        self.block_manager = BlockManager(pool.num_blocks, block_size, window=window)
+        # prefix caching reuses whole blocks, which a sliding window frees as it moves: off under a window;
+        # both off for image models (their prefill places image features and M-RoPE over whole prompts)
+        vision = getattr(spec, "vision", None) is not None
+        self.enable_prefix_caching = enable_prefix_caching and window is None and not _windowed(spec) and not vision
+        self.enable_chunked_prefill = enable_chunked_prefill and not vision
+        self.block_manager = BlockManager(pool.num_blocks, block_size, window=window,
+                                          prefix_caching=self.enable_prefix_caching)
         self.runner = ModelRunner(model, kernels, device, pool)
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -129,7 +135,8 @@ class Engine:
                         kernels: str = "adapt", ctx: ParallelContext = SINGLE, kv_cache_memory: str | int | None = None,
                         kv_cache_dtype: str = "auto", block_size: int = 16, max_num_seqs: int = 256,
                         max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                        prepack: str = "auto") -> "Engine":
+                        prepack: str = "auto", enable_prefix_caching: bool = False,
+                        enable_chunked_prefill: bool = False) -> "Engine":
         """Load a checkpoint dir, an ``adapt shard`` output dir or a built-in name for ``ctx``'s rank.
 
         kv_cache_memory: bytes, a size string ('2GiB') or a fraction of free memory ('0.5'); default 90% of
@@ -138,7 +145,9 @@ class Engine:
         oneDNN, F.linear's results bitwise; float32 in column panels for the fused kernels' FMA GEMM where
         they are built, else for oneDNN, either summing in another order, a few ulp away), and MoE experts for
         the fused tiled CPU kernel where a trial says it wins (not bitwise either); 'exact' only the
-        bitwise-exact dtypes (oneDNN); 'off' never.
+        bitwise-exact dtypes (oneDNN); 'off' never. enable_prefix_caching: reuse the KV blocks of prompt
+        prefixes seen before (not for sliding-window models); enable_chunked_prefill: prefill at most
+        max_num_batched_tokens tokens per step, alternating with decode steps.
         """
         if prepack not in ("auto", "exact", "off"):
             raise RuntimeConfigError(f"--prepack must be auto, exact or off; got {prepack!r}")
@@ -171,7 +180,8 @@ class Engine:
         pool = _make_pool(spec, net, ctx, dev, tdtype, kv_cache_memory, kv_cache_dtype, block_size, max_len,
                           max_num_seqs)
         return cls(net, spec, ctx, k, dev, tdtype, pool, block_size, src.tokenizer, src.eos_token_ids,
-                   max_num_seqs, max_num_batched_tokens, max_len, src.path)
+                   max_num_seqs, max_num_batched_tokens, max_len, src.path, enable_prefix_caching,
+                   enable_chunked_prefill)
 
     # -- generation -----------------------------------------------------------------------------------
 
@@ -186,7 +196,8 @@ class Engine:
         detok = self.tokenizer.decode if self.tokenizer is not None else None
         sched = Scheduler(self.block_manager, max_num_seqs=self.max_num_seqs,
                           max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                          eos_token_ids=self.eos_token_ids, detokenize=detok)
+                          eos_token_ids=self.eos_token_ids, detokenize=detok,
+                          chunked_prefill=self.enable_chunked_prefill, prefix_caching=self.enable_prefix_caching)
         for p in prompts:
             bad = [t for t in p if not 0 <= int(t) < self.spec.vocab_size]
             if bad:
@@ -205,7 +216,11 @@ class Engine:
                 raise RuntimeConfigError("the scheduler cannot admit any waiting sequence (KV cache too small)")
             t0 = time.perf_counter()
             logits = self.runner.step(sb)
-            out = sample(logits, [s.params for s in sb.seqs], [gens[s.seq_id] for s in sb.seqs])
+            done = [sb.seqs[i] for i in sb.sampled]  # the rest are mid-prefill (chunked)
+            if len(done) != len(sb.seqs):
+                logits = logits[sb.sampled]
+            hist = [(s.prompt_ids, s.output_ids) for s in done] if any(s.params.has_penalties for s in done) else None
+            out = sample(logits, [s.params for s in done], [gens[s.seq_id] for s in done], hist)
             tokens = out.token_ids.tolist()
             dt = time.perf_counter() - t0
             st["peak_blocks"] = max(st["peak_blocks"], self.block_manager.usage().used_blocks)
@@ -214,9 +229,9 @@ class Engine:
             st[f"{key}_tokens"] += sb.num_tokens
             st[f"{key}_s"] += dt
             st["steps"] += 1
-            if first_token_s is None:
+            if first_token_s is None and done:
                 first_token_s = time.perf_counter() - t_start
-            sched.postprocess(sb.seqs, tokens)
+            sched.postprocess(done, tokens)
         self.last_stats = self._stats(st, time.perf_counter() - t_start, first_token_s)
         mm = [s.mm for s in seqs if s.mm is not None]
         if self.spec.vision is not None:  # the tower's share of the prefill time
@@ -286,6 +301,10 @@ class Engine:
         if getattr(self, "_image_processor", None) is None:
             self._image_processor = ImageProcessor(self.path, self.spec.vision)
         return self._image_processor
+
+
+def _windowed(spec: ModelSpec) -> bool:
+    return any(spec.attention.window_of(i) is not None for i in range(spec.num_layers))
 
 
 def _make_pool(spec: ModelSpec, net, ctx: ParallelContext, dev: torch.device, dtype: torch.dtype, memory,

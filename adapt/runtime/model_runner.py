@@ -29,27 +29,45 @@ class ModelRunner:
 
     def prepare(self, sb: ScheduledBatch) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor | None]:
         """(input_ids [T], ForwardBatch, rows of the hidden states to take logits from or None: all)."""
+        ids, fb, rows, _ = self._prepare(sb, ())
+        return ids, fb, rows
+
+    def _prepare(self, sb: ScheduledBatch, all_rows) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor | None, list]:
+        """prepare(), and for prefill the hidden-state rows of every token of the sequences ``all_rows``
+        (indices into sb.seqs) besides every sequence's last; returns also, per sequence, its rows' range
+        in the logits."""
         kv = self.kv_layers
         if sb.kind == "prefill":
-            ids, pos, cu = [], [], [0]
-            for s in sb.seqs:
-                tok = s.token_ids
-                ids.extend(tok)
-                pos.extend(range(len(tok)))
-                cu.append(cu[-1] + len(tok))
+            ids, pos, cu, cu_k, ctx, rows, spans = [], [], [0], [0], [], [], []
+            bs = self.pool.block_size if self.pool is not None else 1
+            cached = any(sb.chunk_start(i) > 0 for i in range(len(sb.seqs)))
+            for i, s in enumerate(sb.seqs):
+                a, b = sb.chunk_start(i), sb.context_lens[i]
+                ids.extend(s.token_ids[a:b])
+                pos.extend(range(a, b))
+                cu.append(cu[-1] + b - a)
+                cu_k.append(cu_k[-1] + b)
+                if cached:  # every sequence's keys come from the cache: [0, b)
+                    t = sb.block_tables[i]
+                    ctx.extend(t[p // bs] * bs + p % bs for p in range(b))
+                first = len(rows)
+                rows.extend(range(cu[-2], cu[-1]) if i in all_rows else (cu[-1] - 1,))
+                spans.append((first, len(rows)))
             slots = [x for m in sb.slot_mappings for x in m]
             fb = ForwardBatch("prefill", self._t(pos), self.kernels, slot_mapping=self._t(slots),
-                              cu_seqlens=self._t(cu, torch.int32), kv=kv, attn_tiles=prefill_tiles(max(sb.context_lens)))
+                              cu_seqlens=self._t(cu, torch.int32), kv=kv, attn_tiles=prefill_tiles(max(sb.context_lens)),
+                              context_slots=self._t(ctx) if cached else None,
+                              cu_seqlens_k=self._t(cu_k, torch.int32) if cached else None)
             if any(s.mm is not None for s in sb.seqs):  # images: features into their placeholders, M-RoPE
                 fb.mm_embeds, fb.mrope_positions = step_inputs(self.model, self.kernels, sb.seqs, self.device)
-            return self._t(ids), fb, self._t(cu[1:]) - 1
+            return self._t(ids), fb, self._t(rows), spans
         width = max(len(t) for t in sb.block_tables)
         tables = [t + [0] * (width - len(t)) for t in sb.block_tables]
         lens = sb.context_lens
         fb = ForwardBatch("decode", self._t([n - 1 + decode_delta(s) for n, s in zip(lens, sb.seqs)]), self.kernels,
                           slot_mapping=self._t([m[0] for m in sb.slot_mappings]),
                           block_tables=self._t(tables, torch.int32), seq_lens=self._t(lens, torch.int32), kv=kv)
-        return self._t([s.last_token_id for s in sb.seqs]), fb, None
+        return self._t([s.last_token_id for s in sb.seqs]), fb, None, [(i, i + 1) for i in range(len(sb.seqs))]
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, fb: ForwardBatch, rows: torch.Tensor | None) -> torch.Tensor:
@@ -60,7 +78,20 @@ class ModelRunner:
         return self.model.compute_logits(h).float()
 
     def step(self, sb: ScheduledBatch) -> torch.Tensor:
+        """Logits [B, V] at each sequence's last computed token."""
         return self.execute(*self.prepare(sb))
+
+    def step_with_prompt_logits(self, sb: ScheduledBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """step(), and for prefill sequences that ask for prompt logprobs (``params.prompt_logprobs``) the
+        logits [chunk, V] of every token of their chunk, by index into sb.seqs."""
+        want = [i for i, s in enumerate(sb.seqs) if sb.kind == "prefill"
+                and getattr(s.params, "prompt_logprobs", None) is not None and sb.chunk_start(i) < s.num_prompt_tokens]
+        if not want:
+            return self.step(sb), {}
+        ids, fb, rows, spans = self._prepare(sb, set(want))
+        logits = self.execute(ids, fb, rows)
+        last = torch.tensor([b - 1 for _, b in spans], device=logits.device)
+        return logits.index_select(0, last), {i: logits[spans[i][0]: spans[i][1]] for i in want}
 
 
 def prefill_tiles(max_len: int) -> tuple[int, int]:

@@ -1,9 +1,16 @@
 """Continuous batching over a paged KV cache: admit, prefill, decode, preempt, stop.
 
 Plain Python, no torch. Each ``schedule()`` returns one batch, either a *prefill* of newly admitted
-sequences (every token of each is computed and cached) or a *decode* step of all running sequences (the
-last token of each is computed and cached). The engine runs the batch, samples one token per sequence and
-hands the tokens to ``postprocess``, which applies the stop rules and frees finished sequences' blocks.
+sequences (their tokens are computed and cached) or a *decode* step of all running sequences (the
+last token of each is computed and cached). The engine runs the batch, samples one token per sequence
+whose tokens are all cached (``batch.sampled``) and hands the tokens to ``postprocess``, which applies the
+stop rules and frees finished sequences' blocks.
+
+With ``prefix_caching`` a new sequence starts from the cached blocks of its longest cached prefix and
+computes only the rest. With ``chunked_prefill`` a prefill step computes at most
+``max_num_batched_tokens`` tokens: a longer prompt is computed in chunks over several prefill steps, and
+while any sequence is decoding, prefill and decode steps alternate, so a long prompt delays the running
+streams' next token by one chunk's time instead of its whole prefill.
 
 Admission is first come, first served while blocks allow, keeping a small watermark of free blocks so
 running sequences can grow. When a decode step finds no free block, the newest running sequence is
@@ -61,6 +68,9 @@ class Sequence:
     text: str | None = None  # final output text, stop string and stop token removed
     num_preemptions: int = 0
     mm: object | None = None  # the request's images and their features (vision/request.py); opaque here
+    num_computed: int = 0  # tokens whose KV is cached (or written by the step just scheduled)
+    prefill_end: int = 0  # tokens the current prefill computes before the first sample
+    num_cached_prompt: int = 0  # tokens the prefix cache supplied at the last admission
     _checked_chars: int = field(default=0, init=False, repr=False)  # output text searched for stop strings
 
     @property
@@ -88,13 +98,21 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    @property
+    def in_prefill(self) -> bool:
+        """Running but not all of its prefill computed yet (chunked prefill)."""
+        return self.status is SeqStatus.RUNNING and self.num_computed < self.prefill_end
+
 
 @dataclass
 class ScheduledBatch:
     """One step's work. Prefill: every token of ``seq.token_ids``; decode: the last token of each seq.
 
-    ``slot_mappings[i]`` are the cache slots the step writes for ``seqs[i]`` (prefill: one per token,
-    decode: one), ``block_tables[i]`` its blocks, ``context_lens[i]`` its cached tokens after the step.
+    ``slot_mappings[i]`` are the cache slots the step writes for ``seqs[i]`` (prefill: one per token
+    of its chunk, decode: one), ``block_tables[i]`` its blocks, ``context_lens[i]`` its cached tokens after
+    the step: a prefill computes tokens ``[context_lens[i] - len(slot_mappings[i]), context_lens[i])``.
+    ``sampled``: indices of the sequences whose logits are sampled (decode: all; prefill: those whose
+    chunk ends their prefill).
     """
 
     kind: Literal["prefill", "decode"]
@@ -103,6 +121,15 @@ class ScheduledBatch:
     slot_mappings: list[list[int]]
     context_lens: list[int]
     preempted: list[Sequence] = field(default_factory=list)
+    sampled: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampled is None:
+            self.sampled = list(range(len(self.seqs)))
+
+    def chunk_start(self, i: int) -> int:
+        """First token position the step computes for ``seqs[i]``."""
+        return self.context_lens[i] - len(self.slot_mappings[i])
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +154,8 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] | list[int] = (),
         detokenize: Callable[[list[int]], str] | None = None,
         watermark: float = 0.01,
+        chunked_prefill: bool = False,
+        prefix_caching: bool = False,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise RuntimeConfigError(
@@ -141,6 +170,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.chunked_prefill = chunked_prefill
+        self.prefix_caching = prefix_caching and block_manager.prefix_cache is not None
+        self._last_kind: str | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest admitted first
         self._live: dict[int, Sequence] = {}
@@ -196,49 +228,85 @@ class Scheduler:
     # -- scheduling ------------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next step: a prefill if any waiting sequence can be admitted, else a decode; None if idle."""
-        batch = self._schedule_prefill()
-        if batch is None and self.running:
+        """The next step: a prefill if a sequence is mid-prefill or a waiting one can be admitted, else a
+        decode; with chunked prefill a decode comes between two prefill steps. None if idle."""
+        decoding = any(not s.in_prefill for s in self.running)
+        batch = None
+        if not (self.chunked_prefill and self._last_kind == "prefill" and decoding):
+            batch = self._schedule_prefill()
+        if batch is None and decoding:
             batch = self._schedule_decode()
             if not batch.seqs:  # everyone was preempted: start over from the waiting queue
                 retry = self._schedule_prefill()
                 if retry is not None:
                     retry.preempted = batch.preempted
                 batch = retry
+        if batch is None and self.running:  # only sequences mid-prefill (decode had nothing to do)
+            batch = self._schedule_prefill()
+        self._last_kind = batch.kind if batch is not None else None
         return batch
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm = self.block_manager
-        seqs: list[Sequence] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs:
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[Sequence, int, int]] = []
+        for seq in self.running:  # sequences mid-prefill continue first, oldest first
+            if seq.in_prefill and budget > 0:
+                start, end = seq.num_computed, min(seq.prefill_end, seq.num_computed + budget)
+                chunks.append((seq, start, end))
+                budget -= end - start
+                seq.num_computed = end
+                bm.cache_blocks(seq.seq_id, seq.token_ids, end)
+        admitted = 0
+        while self.waiting and len(self.running) + admitted < self.max_num_seqs:
             seq = self.waiting[0]
             n = seq.num_tokens
-            # A lone sequence is always admitted if it fits the cache, so a long recompute cannot stall.
-            if seqs and tokens + n > self.max_num_batched_tokens:
-                break
-            watermark = self.watermark_blocks if (self.running or seqs) else 0
-            if not bm.can_allocate(n, watermark):
+            # images: placeholder ids say nothing of the pixels, and the features enter in one prefill
+            whole = seq.mm is not None
+            reuse = self.prefix_caching and not whole and not _wants_prompt_logprobs(seq)
+            prefix = bm.match_prefix(seq.token_ids) if reuse else []
+            cached = len(prefix) * bm.block_size
+            if self.chunked_prefill and not whole:
+                if budget <= 0:
+                    break
+                end = min(n, cached + budget)
+            else:
+                # A lone sequence is always admitted if it fits the cache, so a long recompute cannot stall.
+                if chunks and n - cached > budget:
+                    break
+                end = n
+            watermark = self.watermark_blocks if (self.running or chunks) else 0
+            if not bm.can_allocate(n, watermark, prefix):
                 break
             self.waiting.popleft()
-            bm.allocate(seq.seq_id, n)
+            bm.allocate(seq.seq_id, n, prefix)
             seq.status = SeqStatus.RUNNING
-            seqs.append(seq)
-            tokens += n
-        if not seqs:
+            seq.num_computed, seq.prefill_end, seq.num_cached_prompt = cached, n, cached
+            self.running.append(seq)
+            admitted += 1
+            chunks.append((seq, cached, end))
+            budget -= end - cached
+            # recorded now, so a later sequence of this same step can share the blocks: each layer writes
+            # the whole step's KV before any sequence's attention reads it
+            seq.num_computed = end
+            if not whole:
+                bm.cache_blocks(seq.seq_id, seq.token_ids, end)
+        if not chunks:
             return None
-        self.running.extend(seqs)
+        seqs = [c[0] for c in chunks]
         return ScheduledBatch(
             kind="prefill",
             seqs=seqs,
             block_tables=[bm.block_table(s.seq_id) for s in seqs],
-            slot_mappings=[bm.slot_mapping(s.seq_id, 0, s.num_tokens) for s in seqs],
-            context_lens=[s.num_tokens for s in seqs],
+            slot_mappings=[bm.slot_mapping(s.seq_id, a, b) for s, a, b in chunks],
+            context_lens=[b for _, _, b in chunks],
+            sampled=[i for i, (s, _, b) in enumerate(chunks) if b == s.prefill_end],
         )
 
     def _schedule_decode(self) -> ScheduledBatch:
         bm = self.block_manager
-        queue = deque(self.running)
+        prefilling = [s for s in self.running if s.in_prefill]
+        queue = deque(s for s in self.running if not s.in_prefill)
         scheduled: list[Sequence] = []
         slots: list[list[int]] = []
         preempted: list[Sequence] = []
@@ -252,8 +320,11 @@ class Scheduler:
                     break
             else:
                 slots.append([bm.append_slot(seq.seq_id)])
+                seq.num_computed += 1
+                if seq.mm is None:
+                    bm.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
                 scheduled.append(seq)
-        self.running = list(scheduled)  # batch.seqs must not change when sequences finish
+        self.running = list(scheduled) + prefilling  # batch.seqs must not change when sequences finish
         return ScheduledBatch(
             kind="decode",
             seqs=scheduled,
@@ -265,6 +336,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
+        seq.num_computed = seq.prefill_end = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -317,6 +389,7 @@ class Scheduler:
         return False
 
     def _finish(self, seq: Sequence, reason: FinishReason, text_ids: list[int] | None) -> None:
+        seq.num_computed = seq.prefill_end = 0
         if seq.seq_id in self.block_manager:
             self.block_manager.free(seq.seq_id)
         if seq in self.running:
@@ -326,3 +399,8 @@ class Scheduler:
         if text_ids is not None and self.detokenize is not None:
             seq.text = self.detokenize(text_ids)
         del self._live[seq.seq_id]
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    # cached positions have no logits: a sequence that asks for its prompt's logprobs computes them all
+    return getattr(seq.params, "prompt_logprobs", None) is not None

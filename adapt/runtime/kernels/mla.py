@@ -56,15 +56,19 @@ def mla_prefill(
     cu_seqlens: torch.Tensor,
     scale: float,
     causal: bool = True,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Naive MLA: q_nope [T, H, Dn], q_pe [T, H, Dr] (roped), c_kv [T, R] (normed), k_pe [T, Dr]
-    (roped), kv_b_weight [H * (Dn + Dv), R], cu_seqlens [B + 1] -> out [T, H, Dv]."""
+    """Naive MLA: q_nope [T, H, Dn], q_pe [T, H, Dr] (roped), c_kv [Tk, R] (normed), k_pe [Tk, Dr]
+    (roped), kv_b_weight [H * (Dn + Dv), R], cu_seqlens [B + 1] -> out [T, H, Dv]. Keys are the queries'
+    own tokens (Tk = T) unless cu_seqlens_k gives each sequence's keys (a cached prefix before its
+    queries; causal masks bottom-right aligned)."""
     t, h, dn = q_nope.shape
-    kv = F.linear(c_kv, kv_b_weight).view(t, h, dn + v_head_dim)  # [T, H, Dn + Dv]
+    tk = c_kv.shape[0]
+    kv = F.linear(c_kv, kv_b_weight).view(tk, h, dn + v_head_dim)  # [Tk, H, Dn + Dv]
     k_nope, v = kv.split([dn, v_head_dim], dim=-1)
-    k = torch.cat((k_nope, k_pe[:, None, :].expand(t, h, k_pe.shape[-1])), dim=-1)  # [T, H, Dn + Dr]
+    k = torch.cat((k_nope, k_pe[:, None, :].expand(tk, h, k_pe.shape[-1])), dim=-1)  # [Tk, H, Dn + Dr]
     q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, Dn + Dr]
-    return varlen_attention(q, k, v, cu_seqlens, scale, causal=causal)
+    return varlen_attention(q, k, v, cu_seqlens, scale, causal=causal, cu_seqlens_k=cu_seqlens_k)
 
 
 def mla_decode(
@@ -114,18 +118,21 @@ def _mla_attend_ref(qn, qp, c, kp, kv_b_weight, v_head_dim, scale, allowed):
     return torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1)
 
 
-def mla_prefill_ref(q_nope, q_pe, c_kv, k_pe, kv_b_weight, v_head_dim, cu_seqlens, scale, causal=True):
+def mla_prefill_ref(q_nope, q_pe, c_kv, k_pe, kv_b_weight, v_head_dim, cu_seqlens, scale, causal=True,
+                    cu_seqlens_k=None):
     """Reference twin of mla_prefill: per sequence, decompress and take a full softmax."""
     out = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], v_head_dim)
     bounds = cu_seqlens.tolist()
+    kb = bounds if cu_seqlens_k is None else cu_seqlens_k.tolist()
     for b in range(len(bounds) - 1):
         s0, s1 = bounds[b], bounds[b + 1]
+        k0, k1 = kb[b], kb[b + 1]
         if s1 == s0:
             continue
-        allowed = torch.ones(s1 - s0, s1 - s0, dtype=torch.bool, device=q_nope.device)
-        allowed = allowed.tril() if causal else allowed
+        allowed = torch.ones(s1 - s0, k1 - k0, dtype=torch.bool, device=q_nope.device)
+        allowed = allowed.tril(diagonal=(k1 - k0) - (s1 - s0)) if causal else allowed
         out[s0:s1] = _mla_attend_ref(
-            q_nope[s0:s1], q_pe[s0:s1], c_kv[s0:s1], k_pe[s0:s1], kv_b_weight, v_head_dim, scale, allowed
+            q_nope[s0:s1], q_pe[s0:s1], c_kv[k0:k1], k_pe[k0:k1], kv_b_weight, v_head_dim, scale, allowed
         )
     return out
 

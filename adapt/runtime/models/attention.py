@@ -94,7 +94,12 @@ class GQAAttention(nn.Module):
                               checked=batch.slots_checked())
         if batch.is_prefill:
             qt, kt = batch.attn_tiles
-            o = k_.varlen_attention(q, k, v, batch.cu_seqlens, self.scale, True, None, qt, kt, self.window)
+            cu_k = None
+            if batch.context_slots is not None:  # keys of the cached prefix too, read back from the cache
+                k = _gather_cache(k_, cache.k, cache.k_scale, batch.context_slots, k.dtype)
+                v = _gather_cache(k_, cache.v, cache.v_scale, batch.context_slots, v.dtype)
+                cu_k = batch.cu_seqlens_k
+            o = k_.varlen_attention(q, k, v, batch.cu_seqlens, self.scale, True, cu_k, qt, kt, self.window)
         else:
             o = k_.paged_decode_attention(q, cache.k, cache.v, batch.block_tables, batch.seq_lens, self.scale,
                                           cache.k_scale, cache.v_scale, meta=batch.decode_meta(cache.k.shape[1]),
@@ -148,13 +153,31 @@ class MLAAttention(nn.Module):
             else:
                 _write_int8_latent(k_, c_kv, k_pe, cache, batch.slot_mapping)
         if batch.is_prefill:
-            o = k_.mla_prefill(q_nope, q_pe, c_kv, k_pe, w, self.dv, batch.cu_seqlens, self.scale)
+            cu_k = None
+            if batch.context_slots is not None:  # the cached prefix's latents too, read back from the cache
+                lat = _gather_cache(k_, cache.k, cache.k_scale[..., 0] if cache.k_scale is not None else None,
+                                    batch.context_slots, c_kv.dtype)  # [Tk, R + Dr]
+                c_kv, k_pe = lat[:, : self.r], lat[:, self.r:]
+                cu_k = batch.cu_seqlens_k
+            o = k_.mla_prefill(q_nope, q_pe, c_kv, k_pe, w, self.dv, batch.cu_seqlens, self.scale,
+                               cu_seqlens_k=cu_k)
         else:
             latent, tables = cache.k, batch.block_tables
             if cache.k_scale is not None:
                 latent, tables = _dequantize_used_blocks(k_, cache, tables, batch.seq_lens, q.dtype)
             o = k_.mla_decode(q_nope, q_pe, latent, tables, batch.seq_lens, w, self.dv, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.dv))
+
+
+def _gather_cache(k_, cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the paged cache [NB, BS, ...] at ``slots`` [Tk] -> [Tk, ...] in ``dtype`` (int8 dequantized)."""
+    flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+    rows = flat.index_select(0, slots)
+    if scale is None:
+        return rows.to(dtype)
+    s = scale.reshape(scale.shape[0] * scale.shape[1], *scale.shape[2:]).index_select(0, slots)
+    return k_.dequantize_int8(rows, s, dtype)
 
 
 def _write_int8_latent(k_, c_kv, k_pe, cache, slots) -> None:

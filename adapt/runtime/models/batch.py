@@ -3,7 +3,9 @@
 # Legend: T packed tokens of the step, B sequences, MAXB block-table width.
 
 A prefill step packs every token of B sequences (``cu_seqlens``); a decode step has one token per
-sequence and reads the paged cache (``block_tables``, ``seq_lens`` counting the new token).
+sequence and reads the paged cache (``block_tables``, ``seq_lens`` counting the new token). A prefill
+whose sequences start after a cached prefix (a prefix-cache hit or a later chunk of a chunked prefill)
+carries ``context_slots`` / ``cu_seqlens_k``: attention reads their keys back from the cache.
 ``kv`` is the pool's per-layer tensors (None: compute without caching, as ``prefill_logits`` does).
 ``capture``, when a dict, receives each layer's intermediate outputs by name (see models/__init__).
 """
@@ -34,6 +36,10 @@ class ForwardBatch:
     attn_tiles: tuple[int, int] = (128, 256)  # prefill (q_tile, k_tile)
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [N] of the step, image features [N, H])
     mrope_positions: torch.Tensor | None = None  # [3, T] Qwen2.5-VL prefill (models/qwen2_vl.py)
+    # prefill over cached context (prefix caching, chunked prefill): the step's queries attend to every
+    # cached token of their sequence, read back from the cache at these slots (all sequences' [0, end))
+    context_slots: torch.Tensor | None = None  # [Tk] int64
+    cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32 offsets of each sequence's keys in Tk
 
     @property
     def is_prefill(self) -> bool:

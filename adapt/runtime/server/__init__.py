@@ -1,4 +1,4 @@
-"""``adapt serve``: an OpenAI-compatible HTTP service over the Engine.
+"""``adapt serve``: an OpenAI-compatible HTTP service over the Engine (FastAPI on uvicorn).
 
 Library API::
 
@@ -6,20 +6,23 @@ Library API::
         urllib.request.urlopen(srv.url + "/health")
     serve(engine, host="127.0.0.1", port=8000)       # blocks until SIGINT / SIGTERM
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (see protocol.py
-for the fields). Files: protocol (request parsing), loop (the engine thread, continuous batching),
-service (routes without HTTP), responses (OpenAI bodies and chunks), http (the stdlib HTTP server).
+Files: protocol (the API's pydantic models, shared with clients), requests (models -> engine requests),
+loop (the engine thread, continuous batching), service (routes without HTTP), responses (OpenAI bodies
+and chunks), metrics (Prometheus), health (the golden replay), app (FastAPI), server (uvicorn thread).
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import socket
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 from adapt.errors import RuntimeConfigError
 from adapt.runtime.server.errors import APIError
-from adapt.runtime.server.http import APIServer, RunningServer
 from adapt.runtime.server.service import Service, ServiceConfig
 
 __all__ = ["APIError", "RunningServer", "Service", "ServiceConfig", "serve", "start_server"]
@@ -27,15 +30,109 @@ __all__ = ["APIError", "RunningServer", "Service", "ServiceConfig", "serve", "st
 DEFAULT_HOST = "127.0.0.1"
 
 
+class RunningServer:
+    """A started service: uvicorn on a background thread with its own event loop; ``url``, ``stop()``."""
+
+    def __init__(self, service: Service, sock: socket.socket, verbose: bool = False):
+        import uvicorn
+
+        from adapt.runtime.server.app import build_app
+        from adapt.runtime.server.health import GoldenCheck, load_golden
+
+        self.service = service
+        self.sock = sock
+        cfg = service.config
+        self.golden = None
+        if cfg.health_golden:
+            cases = load_golden(cfg.health_golden, service.engine.spec.vocab_size)
+            self.golden = GoldenCheck(service, cases, str(cfg.health_golden), cfg.health_golden_interval_s)
+        self.app = build_app(service, self.golden)
+        ucfg = uvicorn.Config(self.app, log_level="info" if verbose else "warning", access_log=verbose,
+                              backlog=cfg.backlog, timeout_keep_alive=max(5, int(cfg.read_timeout_s)),
+                              lifespan="off", timeout_graceful_shutdown=30)
+        self.uvicorn = uvicorn.Server(ucfg)
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="adapt-http", daemon=True)
+
+    def _run(self) -> None:
+        async def main():
+            self._aloop = asyncio.get_running_loop()
+            await self.uvicorn.serve(sockets=[self.sock])
+        asyncio.run(main())
+
+    @property
+    def host(self) -> str:
+        return str(self.sock.getsockname()[0])
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "RunningServer":
+        self.service.start()
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.service.stop()
+                raise RuntimeConfigError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def call(self, coro, timeout: float | None = None) -> Any:
+        """Run a coroutine on the server's event loop from another thread; its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._aloop).result(timeout)
+
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to ``drain_s`` seconds, stop the engine loop
+        (requests still in flight then get 503), close the socket."""
+        self.uvicorn.should_exit = True
+        deadline = time.monotonic() + drain_s
+        while self.service.pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.service.stop()
+        self._thread.join(10.0)
+        if self._thread.is_alive():  # connections that will not close: give up on them
+            self.uvicorn.force_exit = True
+            self._thread.join(5.0)
+        self.sock.close()
+
+    def __enter__(self) -> "RunningServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        raise RuntimeConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def start_server(engine, host: str = DEFAULT_HOST, port: int = 0, model_name: str | None = None,
                  config: ServiceConfig | None = None, verbose: bool = False) -> RunningServer:
     """Bind ``host:port`` (0: a free port), start the engine loop and the HTTP thread; returns at once."""
     cfg = config or ServiceConfig(model_name=model_name or _default_name(engine))
+    sock = _listen(host, port, cfg.backlog)
     try:
-        server = APIServer((host, int(port)), Service(engine, cfg), verbose=verbose)
-    except OSError as e:
-        raise RuntimeConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return RunningServer(server).start()
+        return RunningServer(Service(engine, cfg), sock, verbose).start()
+    except BaseException:
+        sock.close()
+        raise
 
 
 def serve(engine, host: str = DEFAULT_HOST, port: int = 8000, model_name: str | None = None,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapt.runtime.server.loop import Delta
-from adapt.runtime.server.protocol import GenRequest
+from adapt.runtime.server.requests import GenRequest
 
 
 @dataclass
@@ -21,8 +21,11 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list | None = None  # [None, (id, logprob, top), ...] per prompt position
 
     def add(self, d: Delta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
@@ -41,7 +44,8 @@ def token_text(tokenizer, tid: int) -> str:
 
 
 def completion_logprobs(entries, tokenizer, offset: int = 0) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions ``logprobs`` object: tokens, token_logprobs, top_logprobs, text_offset.
+    An entry (token id, None, None) is a token without logprob (echo's first prompt token)."""
     tokens, lps, tops, offsets = [], [], [], []
     for tid, lp, top in entries:
         s = token_text(tokenizer, tid)
@@ -51,6 +55,29 @@ def completion_logprobs(entries, tokenizer, offset: int = 0) -> dict[str, Any]:
         lps.append(lp)
         tops.append({token_text(tokenizer, t): v for t, v in top} if top else None)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prompt_entries(c: Choice) -> list:
+    """The prompt's (id, logprob, top) entries, the first token's (id, None, None)."""
+    lps = c.prompt_logprobs or [None]
+    out = [(c.prompt_token_ids[0], None, None)]
+    out += [e if e is not None else (t, None, None) for t, e in zip(c.prompt_token_ids[1:], lps[1:])]
+    return out
+
+
+def vllm_prompt_logprobs(c: Choice, tokenizer) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the prompt's own token and the top N."""
+    out: list[dict[str, Any] | None] = [None]
+    for tid, lp, top in _prompt_entries(c)[1:]:
+        d: dict[str, Any] = {}
+        for rank, (t, v) in enumerate(top or [], start=1):
+            d[str(t)] = {"logprob": v, "rank": rank, "decoded_token": token_text(tokenizer, t)}
+        if str(tid) not in d:
+            rank = 1 + sum(1 for _, v in (top or []) if v > lp) if top else None
+            d = {str(tid): {"logprob": lp, "rank": rank, "decoded_token": token_text(tokenizer, tid)}, **d}
+        out.append(d)
+    return out
 
 
 def chat_logprobs(entries, tokenizer) -> dict[str, Any]:
@@ -83,8 +110,14 @@ def full_response(req: GenRequest, model: str, choices: list[Choice], tokenizer)
             body = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
                     "finish_reason": c.finish_reason}
         else:
-            lp = completion_logprobs(c.logprobs, tokenizer) if req.top_logprobs is not None else None
-            body = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            text, entries = c.text, c.logprobs
+            if req.echo:
+                prompt_text = tokenizer.decode(c.prompt_token_ids) if tokenizer is not None else ""
+                text, entries = prompt_text + text, _prompt_entries(c) + list(entries)
+            lp = completion_logprobs(entries, tokenizer) if req.top_logprobs is not None else None
+            body = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+            if req.prompt_logprobs_asked:
+                body["prompt_logprobs"] = vllm_prompt_logprobs(c, tokenizer)
         out.append(_ids(req, c, body))
     return {"id": new_id(req.kind), "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "choices": out, "usage": usage(choices)}
@@ -108,7 +141,8 @@ class Chunker:
         return self._wrap([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}])
 
-    def delta(self, d: Delta) -> dict[str, Any]:
+    def delta(self, d: Delta, choices: list[Choice] | None = None) -> dict[str, Any]:
+        """One chunk of a Delta; with ``continuous_usage_stats`` it carries the usage so far."""
         r = self.req
         if r.kind == "chat":
             lp = chat_logprobs(d.logprobs, self.tokenizer) if r.top_logprobs is not None else None
@@ -123,6 +157,8 @@ class Chunker:
             ch["token_ids"] = d.token_ids
             if d.prompt_token_ids is not None:
                 ch["prompt_token_ids"] = d.prompt_token_ids
+        if r.continuous_usage and choices is not None:
+            return self._wrap([ch], usage=usage(choices))
         return self._wrap([ch])
 
     def usage(self, choices: list[Choice]) -> dict[str, Any]:

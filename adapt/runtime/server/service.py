@@ -1,36 +1,88 @@
-"""What each route does, independent of HTTP: models, health, completions and chat over the engine loop.
+"""What each route does, independent of HTTP: models, health, tokenize, completions and chat over the loop.
 
-A generation request is parsed (protocol.py), checked against the model's context and the KV cache,
-split into one engine sequence per prompt, submitted to the EngineLoop, and either collected into one
-body or yielded as stream chunks. A request past ``request_timeout_s``, or whose client went away
-mid-stream, is aborted in the engine, freeing its KV blocks.
+A generation request is parsed (requests.py), checked against the model's context and the KV cache,
+split into ``n`` engine sequences per prompt, submitted to the EngineLoop, and either collected into one
+body or yielded as stream chunks. The engine loop's events reach the asyncio side through ``Bridge``: one
+``call_soon_threadsafe`` per loop iteration, whatever the number of tokens. A request past
+``request_timeout_s``, or whose client went away, is aborted in the engine, freeing its KV blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from adapt.runtime.server.errors import APIError, bad_request
-from adapt.runtime.server.loop import Delta, EngineLoop, Failed, wait_event
-from adapt.runtime.server.protocol import GenRequest, parse_chat, parse_completion
+from adapt.runtime.server.loop import Delta, EngineLoop, Failed
+from adapt.runtime.server.metrics import ServiceMetrics
+from adapt.runtime.server.requests import GenRequest, parse_chat, parse_completion, with_max_tokens
 from adapt.runtime.server.responses import Choice, Chunker, full_response
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """Limits of the service. ``max_pending`` requests may be in flight; more get 503."""
+    """Limits and options of the service. ``max_pending`` generation requests may be in flight and
+    ``max_connections`` HTTP requests open; more get 429 with Retry-After."""
 
     model_name: str
     max_request_bytes: int = 8 << 20
     request_timeout_s: float = 600.0
     read_timeout_s: float = 30.0
     max_pending: int = 512
+    max_connections: int = 2048
+    backlog: int = 2048
+    api_key: str | None = None
+    metrics_auth: bool = False  # /metrics behind the key too
+    metrics_prefix: str = "adapt"
+    health_golden: str | None = None  # a golden dir / file replayed by GET /health/golden
+    health_golden_interval_s: float = 300.0
+    retry_after_s: int = 1
+
+
+class Bridge:
+    """Carries the loop thread's events to asyncio queues, one wake-up of each event loop per flush."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Sink, Any]] = []
+
+    def post(self, sink: "Sink", ev: Any) -> None:
+        with self._lock:
+            self._pending.append((sink, ev))
+
+    def flush(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for sink, ev in items:
+            by_loop.setdefault(sink.aloop, []).append((sink, ev))
+        for aloop, batch in by_loop.items():
+            try:
+                aloop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(batch: list) -> None:
+    for sink, ev in batch:
+        sink.queue.put_nowait(ev)
+
+
+class Sink:
+    """A request's event queue on its event loop; the engine loop calls ``put`` from its thread."""
+
+    def __init__(self, bridge: Bridge):
+        self.bridge = bridge
+        self.aloop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, ev: Any) -> None:
+        self.bridge.post(self, ev)
 
 
 class Service:
@@ -39,10 +91,15 @@ class Service:
     def __init__(self, engine, config: ServiceConfig):
         self.engine, self.config = engine, config
         self.tokenizer = engine.tokenizer
-        self.loop = EngineLoop(engine)
+        self.metrics = ServiceMetrics(config.model_name, config.metrics_prefix, self._state)
+        self.loop = EngineLoop(engine, on_finish=self.metrics.finished, on_token=self.metrics.token_gap)
+        self.bridge = Bridge()
+        self.loop.flush_hooks.append(self.bridge.flush)
         self.created = int(time.time())
         self._pending = 0
         self._lock = threading.Lock()
+        self._weight_bytes = sum(t.numel() * t.element_size() for t in
+                                 list(engine.model.parameters()) + list(engine.model.buffers()))
 
     def start(self) -> None:
         self.loop.start()
@@ -55,6 +112,15 @@ class Service:
         """Generation requests in flight."""
         return self._pending
 
+    def _state(self) -> dict:
+        bm = self.engine.block_manager
+        pc = bm.prefix_cache
+        load = self.loop.load()
+        return {"running": load["running"], "waiting": load["waiting"], "kv_usage": bm.usage().block_fraction,
+                "kv_bytes": self.engine.pool.total_bytes, "weight_bytes": self._weight_bytes,
+                "pc_queries": pc.queries if pc is not None else 0, "pc_hits": pc.hits if pc is not None else 0,
+                "preemptions": self.loop.stats["preemptions"]}
+
     # -- plain routes ---------------------------------------------------------------------------------
 
     def health(self) -> tuple[int, dict[str, Any]]:
@@ -62,21 +128,26 @@ class Service:
             return 503, {"status": "error", "error": self.loop.error or "engine loop not running"}
         return 200, {"status": "ok", "model": self.config.model_name, **self.loop.load()}
 
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "adapt",
+                "max_model_len": self.engine.max_model_len}
+
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
-                                            "created": self.created, "owned_by": "adapt",
-                                            "max_model_len": self.engine.max_model_len}]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this service serves "
+                                f"{self.config.model_name!r}", "invalid_request_error", "model", "model_not_found")
 
     # -- generation -----------------------------------------------------------------------------------
 
     def parse(self, route: str, body: Any) -> GenRequest:
         """Parse and check a generation body; raises APIError."""
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
-        req = parse_chat(body, self.tokenizer) if route == "chat" else parse_completion(body, self.tokenizer)
-        if req.model is not None and req.model != self.config.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this service serves "
-                                f"{self.config.model_name!r}", "invalid_request_error", "model", "model_not_found")
+        vocab = self.engine.spec.vocab_size
+        req = parse_chat(body, self.tokenizer, vocab) if route == "chat" else parse_completion(body, self.tokenizer,
+                                                                                              vocab)
+        self.check_model(req.model)
         return self._fit(req)
 
     def _fit(self, req: GenRequest) -> GenRequest:
@@ -91,87 +162,108 @@ class Service:
             if bad:
                 raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
             n = len(p)
-            if n >= limit:
+            if n >= limit and not (req.max_tokens_zero and n == limit):
                 raise bad_request(f"this model's maximum context length is {limit} tokens; the prompt has {n}",
                                   "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
             room = min(limit - n, cache_tokens - n + 1)  # the last sampled token is never cached
-            if room < 1:
+            if room < 1 and not req.max_tokens_zero:
                 raise bad_request(f"the prompt has {n} tokens; the KV cache holds {cache_tokens}",
                                   "prompt", "context_length_exceeded")
-            if req.max_tokens_given and req.params.max_tokens > room:
+            if req.max_tokens_given and not req.max_tokens_zero and req.params.max_tokens > room:
                 raise bad_request(
                     f"this model's maximum context length is {limit} tokens (KV cache: {cache_tokens}); you "
                     f"requested {n + req.params.max_tokens} tokens ({n} in the prompt, {req.params.max_tokens} in "
                     f"the completion); reduce max_tokens to at most {room}", "max_tokens", "context_length_exceeded")
-            rooms.append(room)
+            rooms.append(max(room, 1))
         want = req.params.max_tokens
         if not req.max_tokens_given:  # OpenAI's defaults: chat runs to the context's end, completions 16
             want = min(rooms) if req.kind == "chat" else min(want, min(rooms))
-        if want != req.params.max_tokens:
-            req = dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=want))
-        return req
+        return with_max_tokens(req, want)
 
-    def _submit(self, req: GenRequest) -> tuple[queue.Queue, list[int], list[Choice]]:
+    def _submit(self, req: GenRequest) -> tuple[Sink, list[int], list[Choice]]:
         with self._lock:
             if self._pending >= self.config.max_pending:
-                raise APIError(503, f"the service has {self._pending} requests in flight; retry later",
+                raise APIError(429, f"the service has {self._pending} requests in flight; retry later",
                                "server_overloaded", None, "overloaded")
             self._pending += 1
         if not self.loop.alive:
             self._release()
             raise APIError(503, f"the engine is not running ({self.loop.error or 'stopped'})", "server_error")
-        out: queue.Queue = queue.Queue()
-        sids = [self.loop.submit(p, req.params, out, i) for i, p in enumerate(req.prompts)]
-        return out, sids, [Choice(i, list(p)) for i, p in enumerate(req.prompts)]
+        sink = Sink(self.bridge)
+        sids, choices = [], []
+        for i, p in enumerate(req.prompts):
+            for j in range(req.n):
+                idx = i * req.n + j
+                params = req.params
+                if req.n > 1 and params.seed is not None:  # n seeded choices differ, and repeat
+                    params = dataclasses.replace(params, seed=params.seed + j)
+                sids.append(self.loop.submit(p, params, sink, idx, drop_output=req.max_tokens_zero))
+                choices.append(Choice(idx, list(p)))
+        return sink, sids, choices
 
     def _release(self) -> None:
         with self._lock:
             self._pending -= 1
 
-    def _events(self, out: queue.Queue, choices: list[Choice]) -> Iterator[Delta]:
-        """Deltas until every choice has finished; APIError on failure or timeout."""
+    async def _events(self, sink: Sink, choices: list[Choice],
+                      gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[list[Delta]]:
+        """Batches of Deltas until every choice has finished; APIError on failure or timeout, and
+        ConnectionAbortedError when ``gone()`` says the client left."""
         deadline = time.monotonic() + self.config.request_timeout_s
         open_ = len(choices)
         while open_:
-            ev = wait_event(out, deadline)
-            if ev is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise APIError(504, f"the request did not finish within {self.config.request_timeout_s:g} s",
                                "timeout_error", None, "timeout")
-            if isinstance(ev, Failed):
-                raise APIError(ev.status, ev.message, "invalid_request_error" if ev.status == 400 else "server_error")
-            choices[ev.index].add(ev)
-            if ev.finish_reason is not None:
-                open_ -= 1
-            yield ev
+            try:
+                ev = await asyncio.wait_for(sink.queue.get(), min(left, 1.0))
+            except asyncio.TimeoutError:
+                if gone is not None and await gone():
+                    raise ConnectionAbortedError("the client went away") from None
+                continue
+            batch = [ev]
+            while not sink.queue.empty():
+                batch.append(sink.queue.get_nowait())
+            out = []
+            for e in batch:
+                if isinstance(e, Failed):
+                    raise APIError(e.status, e.message, "invalid_request_error" if e.status == 400 else "server_error")
+                choices[e.index].add(e)
+                if e.finish_reason is not None:
+                    open_ -= 1
+                out.append(e)
+            yield out
 
     def _abort(self, sids: list[int], choices: list[Choice]) -> None:
         for sid, c in zip(sids, choices):
             if c.finish_reason is None:
                 self.loop.abort(sid)
 
-    def generate(self, req: GenRequest) -> dict[str, Any]:
+    async def generate(self, req: GenRequest, gone: Callable[[], Awaitable[bool]] | None = None) -> dict[str, Any]:
         """The whole body of a non-streamed request."""
-        out, sids, choices = self._submit(req)
+        sink, sids, choices = self._submit(req)
         try:
-            for _ in self._events(out, choices):
+            async for _ in self._events(sink, choices, gone):
                 pass
         finally:
             self._abort(sids, choices)
             self._release()
         return full_response(req, self.config.model_name, choices, self.tokenizer)
 
-    def stream(self, req: GenRequest) -> Iterator[dict[str, Any]]:
+    async def stream(self, req: GenRequest) -> AsyncIterator[dict[str, Any]]:
         """Chunk bodies of a streamed request; an error mid-stream is yielded as an error body. Closing the
         iterator (the client went away) aborts the request."""
-        out, sids, choices = self._submit(req)
+        sink, sids, choices = self._submit(req)
         ch = Chunker(req, self.config.model_name, self.tokenizer)
         try:
             if req.kind == "chat":
                 for c in choices:
                     yield ch.role(c.index)
-            for d in self._events(out, choices):
-                if d.text or d.finish_reason is not None or d.logprobs or req.return_token_ids:
-                    yield ch.delta(d)
+            async for batch in self._events(sink, choices):
+                for d in batch:
+                    if d.text or d.finish_reason is not None or d.logprobs or req.return_token_ids:
+                        yield ch.delta(d, choices)
             if req.include_usage:
                 yield ch.usage(choices)
         except APIError as e:

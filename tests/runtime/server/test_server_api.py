@@ -131,17 +131,24 @@ def _err(status_body, status, param=None, code=None):
 def test_bad_requests_get_400(client):
     _err(client.request("POST", "/v1/completions", raw=b"{not json"), 400, code="invalid_json")
     _err(client.post("/v1/completions", [1, 2]), 400)
-    _err(client.post("/v1/completions", {"prompt": "x", "n": 2}), 400, "n")
+    _err(client.post("/v1/completions", {"prompt": "x", "n": 99}), 400, "n")
+    _err(client.post("/v1/completions", {"prompt": "x", "n": 0}), 400, "n", "invalid_value")
     _err(client.post("/v1/completions", {"prompt": "x", "max_tokens": "8"}), 400, "max_tokens", "invalid_type")
     _err(client.post("/v1/completions", {"prompt": "x", "temperature": -1}), 400, "temperature")
     _err(client.post("/v1/completions", {"prompt": "x", "frobnicate": 1}), 400, "frobnicate", "unknown_field")
-    _err(client.post("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}), 400, "presence_penalty")
+    _err(client.post("/v1/completions", {"prompt": "x", "presence_penalty": 5}), 400, "presence_penalty")
+    _err(client.post("/v1/completions", {"prompt": "x", "suffix": "y"}), 400, "suffix", "unsupported")
+    _err(client.post("/v1/completions", {"prompt": "x", "temperature": True}), 400, "temperature", "invalid_type")
+    _err(client.post("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}), 400, "logit_bias")
+    _err(client.post("/v1/completions", {"prompt": "x", "max_tokens": 0}), 400, "max_tokens")
     _err(client.post("/v1/completions", {"prompt": "x", "max_tokens": 300}), 400, "max_tokens",
          "context_length_exceeded")
     _err(client.post("/v1/completions", {"prompt": [1, 99999]}), 400, "prompt")
     _err(client.post("/v1/completions", {"max_tokens": 3}), 400, "prompt", "missing_field")
     _err(client.post("/v1/chat/completions", {"messages": "hi"}), 400, "messages")
-    _err(client.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}), 400, "n")
+    _err(client.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 30}), 400, "n")
+    _err(client.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "video"}]}]}),
+         400, "messages[0].content")
     _err(client.post("/v1/completions", {"prompt": "x", "model": "gpt-4"}), 404, "model", "model_not_found")
     _err(client.post("/v1/chat/completions", {"messages": [{"role": "user"}]}), 400, "messages[0].content",
          "missing_field")
@@ -156,11 +163,18 @@ def test_routes_methods_and_size_limits(client, server):
     _err(client.request("GET", "/v1/completions"), 405, code="method_not_allowed")
     _err(client.request("POST", "/health", {}), 405)
     _err(client.request("POST", "/v1/completions", {"prompt": "x" * 5000}), 413, code="request_too_large")
-    # no Content-Length: 411, over a raw socket since urllib always sends one
+    # a chunked body (no Content-Length) is read, and its size limit still holds
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+        body = b'{"prompt": [1, 2], "max_tokens": 1}'
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
         head = s.recv(4096).decode()
-    assert head.startswith("HTTP/1.1 411")
+    assert head.startswith("HTTP/1.1 200"), head
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  b"1400\r\n" + b" " * 0x1400 + b"\r\n0\r\n\r\n")
+        head = s.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 413"), head
     # keep-alive: two requests on one connection
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     for _ in range(2):
