@@ -82,6 +82,8 @@ class RunningServer:
                 self.service.stop()
                 raise RuntimeConfigError("the HTTP server did not start")
             time.sleep(0.01)
+        if self.golden is not None:  # the first answer at start-up; a mismatch shows on /health/golden
+            self.call(self.golden.run(), timeout=self.service.config.request_timeout_s)
         return self
 
     def call(self, coro, timeout: float | None = None) -> Any:
