@@ -171,6 +171,8 @@ RULES: list[Rule] = [
     Rule(r"^adapt serve \./ckpt --device cuda", _ok(), skip=_no_cuda),
     Rule(r"^curl -s localhost:8000/v1/completions ", _completion),
     Rule(r"^curl -s localhost:8000/v1/chat/completions .*\"stream\": true", _chat_stream),
+    Rule(r"^curl -s localhost:8000/metrics \| grep adapt:time_to_first_token$",
+         _ok("# HELP adapt:time_to_first_token_seconds", "adapt:time_to_first_token_seconds_count")),
     # adapt validate
     Rule(r"^adapt validate dump \./ref-model --out golden/$", _ok(files=("golden",)), needs=("ref-model",)),
     Rule(r"^adapt validate \./shard-out --reference golden/ --out report/$", _ok(files=("report/report.html",)),

@@ -1,0 +1,208 @@
+"""adapt serve through HTTP against adapt's own offline engine, on a ~100M-parameter llama built in this script.
+
+Prints one JSON document:
+  throughput: 16 concurrent streamed requests through HTTP (tokens/s over the wall time, TTFT and ITL p50 /
+    p99) against the same 16 prompts as one offline ``Engine.generate`` batch (the peer), and the ratio;
+  prefix_cache: TTFT of a request whose 512-token prefix was just served against the first request with
+    that prefix (ratio; target <= 0.3), and whether the cached greedy tokens equal an uncached server's;
+  chunked_prefill: while 4 streams decode, a 4096-token prompt arrives; the streams' inter-token latency
+    (p50 / p99 / max) during its prefill with chunked prefill on against off (the peer).
+Medians of a few repeats after a warm-up. The machine this runs on may be shared: say so beside a figure.
+
+    python bench/serve_bench.py [--dtype float32] [--tokens 64] [--repeats 3] [--chunk 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from adapt.runtime.engine import Engine  # noqa: E402
+from adapt.runtime.sampling import SamplingParams  # noqa: E402
+from adapt.runtime.server import ServiceConfig, start_server  # noqa: E402
+
+MODEL = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+             num_attention_heads=12, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192,
+             bos_token_id=1, eos_token_id=2)
+
+
+def build(out: Path) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL))
+    m.save_pretrained(out)
+    return out
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def stream(client, url: str, body: dict) -> dict:
+    """One streamed completion: arrival times of its tokens and the tokens."""
+    t0 = time.perf_counter()
+    times, ids = [], []
+    async with client.stream("POST", url, json={**body, "stream": True, "return_token_ids": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                got = json.loads(line[6:])["choices"][0]["token_ids"]
+                now = time.perf_counter()
+                times += [now] * len(got)
+                ids += got
+    return {"start": t0, "times": times, "ids": ids}
+
+
+def run_async(coro):
+    return asyncio.run(coro)
+
+
+def throughput(srv, prompts: list[list[int]], n: int, repeats: int) -> dict:
+    import httpx
+
+    async def once():
+        async with httpx.AsyncClient(timeout=600) as c:
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*[stream(c, srv.url + "/v1/completions", {
+                "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}) for p in prompts])
+            return time.perf_counter() - t0, res
+
+    run_async(once())  # warm-up
+    walls, ttft, itl = [], [], []
+    for _ in range(repeats):
+        wall, res = run_async(once())
+        walls.append(wall)
+        for r in res:
+            ttft.append(r["times"][0] - r["start"])
+            itl += [b - a for a, b in zip(r["times"], r["times"][1:])]
+    wall = statistics.median(walls)
+    return {"tokens_per_s": round(len(prompts) * n / wall, 2), "wall_s": round(wall, 4),
+            "ttft_p50_s": round(pct(ttft, 0.5), 4), "ttft_p99_s": round(pct(ttft, 0.99), 4),
+            "itl_p50_s": round(pct(itl, 0.5), 5), "itl_p99_s": round(pct(itl, 0.99), 5)}
+
+
+def offline(engine, prompts: list[list[int]], n: int, repeats: int) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    engine.generate(prompts, sp)
+    walls, dec = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.generate(prompts, sp)
+        walls.append(time.perf_counter() - t0)
+        dec.append(engine.last_stats["decode_tokens_per_s"])
+    wall = statistics.median(walls)
+    return {"tokens_per_s": round(len(prompts) * n / wall, 2), "wall_s": round(wall, 4),
+            "decode_tokens_per_s": statistics.median(dec)}
+
+
+def prefix_ttft(srv, vocab: int, repeats: int, seed: int) -> dict:
+    import httpx
+
+    g = torch.Generator().manual_seed(seed)
+
+    async def pair(prefix):
+        async with httpx.AsyncClient(timeout=600) as c:
+            url = srv.url + "/v1/completions"
+            a = await stream(c, url, {"prompt": prefix + [5, 6, 7], "max_tokens": 4, "temperature": 0,
+                                      "ignore_eos": True})
+            b = await stream(c, url, {"prompt": prefix + [8, 9], "max_tokens": 4, "temperature": 0,
+                                      "ignore_eos": True})
+            return a, b
+
+    run_async(pair(torch.randint(3, vocab, (512,), generator=g).tolist()))  # warm-up
+    first, second, outs = [], [], []
+    for _ in range(repeats):
+        a, b = run_async(pair(torch.randint(3, vocab, (512,), generator=g).tolist()))
+        first.append(a["times"][0] - a["start"])
+        second.append(b["times"][0] - b["start"])
+        outs.append(b["ids"])
+    return {"ttft_first_s": round(statistics.median(first), 4), "ttft_shared_prefix_s": round(statistics.median(second), 4),
+            "outputs": outs}
+
+
+def itl_during_long_prefill(srv, vocab: int, long_len: int) -> dict:
+    import httpx
+
+    g = torch.Generator().manual_seed(1)
+    long_prompt = torch.randint(3, vocab, (long_len,), generator=g).tolist()
+
+    async def main():
+        async with httpx.AsyncClient(timeout=600) as c:
+            url = srv.url + "/v1/completions"
+            streams = [asyncio.create_task(stream(c, url, {"prompt": [3 + i, 4, 5], "max_tokens": 400,
+                                                           "temperature": 0, "ignore_eos": True})) for i in range(4)]
+            await asyncio.sleep(1.0)  # the streams are decoding
+            t0 = time.perf_counter()
+            long = await stream(c, url, {"prompt": long_prompt, "max_tokens": 1, "temperature": 0})
+            t1 = long["times"][0]
+            res = await asyncio.gather(*streams)
+            return t0, t1, res
+
+    t0, t1, res = run_async(main())
+    gaps = [b - a for r in res for a, b in zip(r["times"], r["times"][1:]) if b > t0 and a < t1]
+    return {"long_prompt_tokens": long_len, "long_ttft_s": round(t1 - t0, 4), "tokens_during_prefill": len(gaps),
+            "itl_p50_s": round(pct(gaps, 0.5) or 0, 4), "itl_p99_s": round(pct(gaps, 0.99) or 0, 4),
+            "itl_max_s": round(max(gaps) if gaps else 0, 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens of the chunked server")
+    ap.add_argument("--long", type=int, default=4096)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        path = build(Path(d) / "llama")
+        kw = dict(device=a.device, dtype=a.dtype, kv_cache_memory="1GiB", max_model_len=8192, max_num_seqs=32)
+        on = Engine.from_pretrained(path, enable_prefix_caching=True, enable_chunked_prefill=True,
+                                    max_num_batched_tokens=a.chunk, **kw)
+        off = Engine.from_pretrained(path, max_num_batched_tokens=8192, **kw)
+        vocab = on.spec.vocab_size
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (32,), generator=g).tolist() for _ in range(16)]
+        peer = offline(on, prompts, a.tokens, a.repeats)
+        with start_server(on, config=ServiceConfig("bench")) as srv:
+            http = throughput(srv, prompts, a.tokens, a.repeats)
+            cached = prefix_ttft(srv, vocab, a.repeats, seed=7)
+            chunked = itl_during_long_prefill(srv, vocab, a.long)
+        with start_server(off, config=ServiceConfig("bench")) as srv:
+            uncached = prefix_ttft(srv, vocab, a.repeats, seed=7)
+            whole = itl_during_long_prefill(srv, vocab, a.long)
+    out = {
+        "bench": "serve", "model": {k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")},
+        "dtype": a.dtype, "device": a.device, "torch": torch.__version__, "host": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "throughput": {"concurrency": 16, "max_tokens": a.tokens, "adapt_http": http, "peer_offline_batch16": peer,
+                       "ratio": round(http["tokens_per_s"] / peer["tokens_per_s"], 3)},
+        "prefix_cache": {"prefix_tokens": 512, "ttft_first_s": cached["ttft_first_s"],
+                         "ttft_shared_prefix_s": cached["ttft_shared_prefix_s"],
+                         "ratio": round(cached["ttft_shared_prefix_s"] / cached["ttft_first_s"], 3),
+                         "peer_no_cache_ttft_s": uncached["ttft_shared_prefix_s"],
+                         "outputs_equal_uncached": cached["outputs"] == uncached["outputs"]},
+        "chunked_prefill": {"max_num_batched_tokens": a.chunk, "adapt_chunked": chunked, "peer_unchunked": whole,
+                            "itl_max_ratio": round(chunked["itl_max_s"] / whole["itl_max_s"], 3)
+                            if whole["itl_max_s"] else None},
+    }
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
