@@ -116,7 +116,9 @@ class Service:
         bm = self.engine.block_manager
         pc = bm.prefix_cache
         load = self.loop.load()
-        return {"running": load["running"], "waiting": load["waiting"], "kv_usage": bm.usage().block_fraction,
+        # from the HTTP thread while the loop runs: read counters only (usage() iterates the tables)
+        kv_usage = 1.0 - bm.num_free_blocks / bm.num_blocks
+        return {"running": load["running"], "waiting": load["waiting"], "kv_usage": kv_usage,
                 "kv_bytes": self.engine.pool.total_bytes, "weight_bytes": self._weight_bytes,
                 "pc_queries": pc.queries if pc is not None else 0, "pc_hits": pc.hits if pc is not None else 0,
                 "preemptions": self.loop.stats["preemptions"]}
