@@ -55,7 +55,6 @@ def print_report(report, notes: list[str] = ()) -> None:
 
 @validate_app.command("run", hidden=True)
 def run_cmd(
-    target: Annotated[Path, typer.Argument(help="HF checkpoint directory or `adapt shard` output.")],
     reference: Annotated[Path, typer.Option("--reference", "-r", help="Reference HF checkpoint directory "
                                             "(run by transformers, CPU, float32) or a golden directory.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for report.json, report.html, junit.xml, "
@@ -73,13 +72,31 @@ def run_cmd(
     sign_key: Annotated[Optional[Path], typer.Option("--sign-key", help="Ed25519 private key (PEM); default "
                                                      "$ADAPT_SIGNING_KEY, else one under the config dir.")] = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="text | json (the report on stdout).")] = "text",
+    endpoint: Annotated[Optional[str], typer.Option("--endpoint", help="Validate a running OpenAI-compatible "
+                        "server at URL (vLLM, SGLang, adapt serve, ...) as a black box instead of TARGET.")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="ADAPT_API_KEY", help="Bearer key for "
+                       "--endpoint (default $ADAPT_API_KEY).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id to request "
+                                 "from --endpoint (default: the one /v1/models lists).")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds --endpoint may stay silent "
+                       "before a request counts as stalled.")] = 60.0,
+    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="Tokenizer directory for --endpoint's "
+                         "token texts and chat template (default: the reference's).")] = None,
+    target: Annotated[Optional[Path], typer.Argument(help="HF checkpoint directory or `adapt shard` output "
+                                                     "(or --endpoint URL instead).")] = None,
 ) -> None:
-    """Validate TARGET against the reference; exit 0 pass, 1 fail or regression, 2 could not run."""
-    from adapt.validate.runner import validate
+    """Validate TARGET (or --endpoint URL) against the reference; exit 0 pass, 1 fail or regression, 2 could
+    not run."""
+    from adapt.errors import ValidationInputError
+    from adapt.validate.runner import EndpointOptions, validate
 
+    if (target is None) == (endpoint is None):
+        raise ValidationInputError("give TARGET (a checkpoint or shard directory) or --endpoint URL, not both"
+                                   if target is not None else "give TARGET or --endpoint URL")
+    ep = EndpointOptions(endpoint, api_key, served_model_name, timeout, tokenizer) if endpoint else None
     res = validate(target, reference, out, checklist=checklist, device=device, dtype=dtype, runtime=runtime,
                    only=set(only) if only else None, baseline=baseline, write_baseline_to=write_baseline,
-                   signer=signer, sign_key=sign_key)
+                   signer=signer, sign_key=sign_key, endpoint=ep)
     if fmt == "json":
         typer.echo(res.report.to_json())
     print_report(res.report, res.notes)

@@ -54,35 +54,61 @@ class ValidateResult:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass
+class EndpointOptions:
+    """``--endpoint URL`` and how to talk to it (a black-box target; see validate/endpoint.py)."""
+
+    url: str
+    api_key: str | None = None
+    served_model_name: str | None = None
+    timeout_s: float = 60.0
+    tokenizer: str | Path | None = None
+
+
 def run_validation(
-    target: str | Path, reference: str | Path, *, checklist: str | Path | None = None, device: str = "cpu",
+    target: str | Path | None, reference: str | Path, *, checklist: str | Path | None = None, device: str = "cpu",
     dtype: str = "float32", runtime: str = "auto", only: set[str] | None = None, baseline: str | Path | None = None,
+    endpoint: EndpointOptions | None = None,
 ) -> tuple[Report, list[str]]:
     """Run the checklist; returns the report (with regressions when ``baseline`` is given) and notes."""
     cl = load_checklist(checklist)
     base = load_baseline(baseline) if baseline is not None else None  # bad signature: exit 2 before any work
     dt = normalize_dtype(dtype)
     ref = open_reference(reference)
-    tgt = open_target(target, runtime=runtime, device=device, dtype=dt)
+    registry, info = None, None
+    if endpoint is not None:
+        from adapt.validate.checks.endpoint import endpoint_registry
+        from adapt.validate.endpoint import open_endpoint
+
+        tgt, info, tok = open_endpoint(endpoint.url, ref, api_key=endpoint.api_key, timeout=endpoint.timeout_s,
+                                       served_model_name=endpoint.served_model_name, tokenizer_dir=endpoint.tokenizer)
+        registry = endpoint_registry()
+    else:
+        tgt = open_target(target, runtime=runtime, device=device, dtype=dt)
     ctx = ValidationContext(tgt, ref, dt, device)
+    if info is not None:
+        ctx.notes.update(tokenizer=tok, served_model=info.model, max_model_len=info.max_model_len)
     layer_items = [it for it in cl.items() if it.kind == "layer_alignment"]
     if layer_items:
         ctx.notes["layer_thresholds"] = thresholds_for(layer_items[0], dt)
-    items = run_checklist(cl, ctx, dt, only=only)
+    items = run_checklist(cl, ctx, dt, registry=registry, only=only)
     failed = [it for it in items if it.status == "fail"
               and cl.item(it.id).kind in ("end_to_end", "layer_alignment")]
     notes = []
     if tgt.runner is None:
         notes.append(f"no target runtime: {tgt.reason}")
-    if failed and ctx.first_divergence is None and tgt.runner is not None:
+    white_box = tgt.runner is not None and info is None  # an endpoint's layers are not visible
+    if failed and ctx.first_divergence is None and white_box:
         ctx.first_divergence = locate_first_divergence(ctx)
-    if tgt.runner is not None and not ctx.layer_curve and failed:
+    if white_box and not ctx.layer_curve and failed:
         ctx.layer_curve = layer_curve(ctx)
     manifest = tgt.manifest or {}
+    extra = {"endpoint": info.to_dict(tgt.runner)} if info is not None else {}
     env = collect_environment(
-        device=device, dtype=dt, model=tgt.path.name, plan=manifest.get("plan"),
-        manifest_hash=manifest.get("digest"), checkpoint_hash=checkpoint_hash(tgt.path),
-        reference=ref.description, runtime=tgt.runtime, target=str(tgt.path), target_kind=tgt.kind)
+        device=device if info is None else "endpoint", dtype=dt, model=tgt.path.name, plan=manifest.get("plan"),
+        manifest_hash=manifest.get("digest"), checkpoint_hash=checkpoint_hash(tgt.path) if info is None else None,
+        reference=ref.description, runtime=tgt.runtime, target=str(tgt.path) if info is None else info.url,
+        target_kind=tgt.kind, **extra)
     if getattr(ref, "streamed", None):
         env["reference_streamed"] = ref.streamed  # report.html: the reference was streamed, these experts loaded
     report = Report(items, env, ctx.first_divergence, ctx.layer_curve, checklist=cl.name)
@@ -97,10 +123,10 @@ def run_validation(
 
 
 def validate(
-    target: str | Path, reference: str | Path, out: str | Path, *, checklist: str | Path | None = None,
+    target: str | Path | None, reference: str | Path, out: str | Path, *, checklist: str | Path | None = None,
     device: str = "cpu", dtype: str = "float32", runtime: str = "auto", only: set[str] | None = None,
     baseline: str | Path | None = None, write_baseline_to: str | Path | None = None, signer: str | None = None,
-    sign_key: str | Path | None = None,
+    sign_key: str | Path | None = None, endpoint: EndpointOptions | None = None,
 ) -> ValidateResult:
     """Validate TARGET against REFERENCE (an HF dir or a golden dir) and write the reports into ``out``.
 
@@ -117,7 +143,7 @@ def validate(
 
         raise ValidationInputError(f"--out {out} exists and is not a directory")
     report, notes = run_validation(target, reference, checklist=checklist, device=device, dtype=dtype,
-                                   runtime=runtime, only=only, baseline=baseline)
+                                   runtime=runtime, only=only, baseline=baseline, endpoint=endpoint)
     report.environment["validate_seconds"] = round(time.perf_counter() - t0, 3)
     paths = write_reports(report, out)
     written = None

@@ -94,7 +94,7 @@ def long_context(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx
         raise Skip(f"the ladder's {ctx.dtype} ratio needs plain torch at each rung; run it in float32")
     budget = float(params.get("time_budget_s", 60.0))
     limit = ctx.reference.max_position_embeddings
-    done, skipped, worst_abs, worst_cos, last = [], [], 0.0, 1.0, None
+    done, skipped, worst_abs, worst_cos, worst_lp, top1, last = [], [], 0.0, 1.0, 0.0, [], None
     for length in sorted(int(x) for x in params.get("lengths", [1024, 8192, 32768])):
         if limit and length > limit:
             skipped.append(f"{length}: beyond max_position_embeddings {limit}")
@@ -116,10 +116,13 @@ def long_context(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx
         last = (length, time.perf_counter() - t0)
         worst_abs = max(worst_abs, compare.max_abs(tgt, ref))
         worst_cos = min(worst_cos, compare.cosine(tgt, ref))
+        worst_lp = max(worst_lp, compare.max_abs(torch.log_softmax(tgt.double(), -1), torch.log_softmax(ref.double(), -1)))
+        top1.append(compare.top1_agreement(ref, tgt))
         done.append(length)
     if not done:
         raise Skip("no rung ran: " + "; ".join(skipped))
-    m = {"max_abs": worst_abs, "cosine": worst_cos, "max_length": max(done), "rungs": len(done)}
+    m = {"max_abs": worst_abs, "cosine": worst_cos, "logprob_max_abs": worst_lp, "top1_agreement": min(top1),
+         "max_length": max(done), "rungs": len(done)}
     msg = f"rungs {done} compared (last 32 positions each)"
     return Outcome(m, message=msg + (f"; skipped {'; '.join(skipped)}" if skipped else ""))
 
