@@ -120,6 +120,14 @@ def _baseline(r: Result) -> None:
     assert "signature" in json.dumps(doc) and "Jane Doe" in json.dumps(doc)
 
 
+def _endpoint_report(r: Result) -> None:
+    _ok(files=("report/report.json", "report/report.html"))(r)
+    doc = json.loads((r.cwd / "report/report.json").read_text())
+    st = {it["id"]: it["status"] for it in doc["items"]}
+    assert st["greedy_token_match"] == "pass" and st["hidden_states"] == "skip", st
+    assert doc["environment"]["endpoint"]["served_model_name"] == "ref-model"
+
+
 _state: dict[str, Result] = {}
 
 RULES: list[Rule] = [
@@ -192,6 +200,10 @@ RULES: list[Rule] = [
     Rule(r"^adapt slice verify ds3-slice --source \./DeepSeek-V3$", _ok("ok:")),
     Rule(r"^adapt validate ds3-slice --reference ds3-slice --out slice-report/$",
          _ok(files=("slice-report/report.html",))),
+    Rule(r"^adapt serve \./ref-model --port 8000$", _ok(), needs=("ref-model",), background=True,
+         subst={"--port 8000": "--port 0"}),
+    Rule(r"^adapt validate --endpoint http://localhost:8000 --reference \./ref-model --out report/$",
+         _endpoint_report),
     # adapt day0
     Rule(r"^adapt day0 --out day0/$", _ok(files=("day0/day0.md", "day0/validate/report.html"))),
     Rule(r"^adapt day0 \./my-model --out day0/$", _ok(files=("day0/day0.md", "day0/validate/report.html")),
@@ -281,7 +293,7 @@ def _start_server(command: str, cwd: Path, env: dict) -> tuple[subprocess.Popen,
     seen = []
     for line in p.stderr:  # README: prints "serving tiny-llama on http://127.0.0.1:PORT" on stderr
         seen.append(line)
-        m = re.search(r"serving tiny-llama on (http://127\.0\.0\.1:(\d+))", line)
+        m = re.search(r"serving \S+ on (http://127\.0\.0\.1:(\d+))", line)
         if m:
             return p, m.group(2)
     p.wait(10)
