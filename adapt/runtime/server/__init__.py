@@ -58,7 +58,8 @@ class RunningServer:
         async def main():
             self._aloop = asyncio.get_running_loop()
             await self.uvicorn.serve(sockets=[self.sock])
-        asyncio.run(main())
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(main())
 
     @property
     def host(self) -> str:
@@ -123,6 +124,16 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
         raise RuntimeConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def _loop_factory():
+    """uvloop's event loop where it is installed (a base dependency off Windows), else asyncio's: the HTTP side's
+    per-event cost is CPU taken from the engine on a small host."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def start_server(engine, host: str = DEFAULT_HOST, port: int = 0, model_name: str | None = None,
