@@ -107,7 +107,7 @@ def bench(kind, dtypes, repeats):
                     eng.model.encode_images([pre], eng.kernels)
 
             a_enc, r_enc = _median_ms(our_encoder, repeats), _median_ms(ref_encoder, repeats)
-            a_pre = _median_ms(lambda: eng.prefill_logits(ids, images=[pre]), repeats)
+            a_pre = _median_ms(lambda: eng.prefill(ids, images=[pre], last_only=True), repeats)  # = logits_to_keep=1
             r_pre = _median_ms(ref_prefill, repeats)
             out[dt] = {"image_tokens": pre.num_tokens, "prompt_tokens": len(ids),
                        "encoder_ms": {"adapt": round(a_enc, 2), "transformers": round(r_enc, 2),

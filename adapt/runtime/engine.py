@@ -270,11 +270,12 @@ class Engine:
     # -- validation hooks -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int], return_hidden_states: bool = False, images: list | None = None
-                ) -> PrefillOutput:
-        """Logits of every position [T, V] (float32) of one prompt, computed without the cache; with
-        ``return_hidden_states`` every captured intermediate too (see the module docstring; with images
-        also the tower's: vision/clip.py, vision/qwen_vit.py)."""
+    def prefill(self, token_ids: list[int], return_hidden_states: bool = False, images: list | None = None,
+                last_only: bool = False) -> PrefillOutput:
+        """Logits of every position [T, V] (float32) of one prompt, computed without the cache (``last_only``:
+        of the last position, [1, V], as serving needs); with ``return_hidden_states`` every captured
+        intermediate too (see the module docstring; with images also the tower's: vision/clip.py,
+        vision/qwen_vit.py)."""
         ids = torch.tensor([int(t) for t in token_ids], dtype=torch.long, device=self.device)
         n = ids.shape[0]
         if n == 0:
@@ -287,7 +288,8 @@ class Engine:
             req.features = self.model.encode_images(req.images, self.kernels, fb.capture)
             seq = Sequence(0, [int(t) for t in token_ids], None, mm=req)
             fb.mm_embeds, fb.mrope_positions = step_inputs(self.model, self.kernels, [seq], self.device)
-        logits = self.runner.execute(ids, fb, None)
+        rows = torch.tensor([n - 1], device=self.device) if last_only else None
+        logits = self.runner.execute(ids, fb, rows)
         return PrefillOutput(logits, fb.capture or {})
 
     def prefill_logits(self, token_ids: list[int], images: list | None = None) -> torch.Tensor:

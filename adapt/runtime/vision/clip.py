@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from adapt.errors import ConfigError
 from adapt.runtime.models.layers import Linear
-from adapt.runtime.vision.common import LayerNorm, Weight, activation
+from adapt.runtime.vision.common import LayerNorm, Weight, activation, tower_attention
 from adapt.spec import VisionSpec
 
 
@@ -43,7 +43,7 @@ class ClipLayer(nn.Module):
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         y = self.ln1(x)
         q, k, v = (m(y).view(t, h, d) for m in (self.q, self.k, self.v))
-        o = kernels.varlen_attention(q, k, v, cu, d ** -0.5, False)
+        o = tower_attention(kernels, q, k, v, cu, d ** -0.5)
         x = x + self.o(o.reshape(t, h * d))
         return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 

@@ -10,6 +10,10 @@ import torch.nn.functional as F
 from adapt.errors import UnsupportedModelError
 from adapt.runtime.models.layers import Loader, _param, slot_loader
 
+# Query rows per tile of tower_attention: the scores of one tile, [segments, heads, rows, length] float32,
+# stay near 100 MB for a 4096-patch full-attention block (Qwen2.5-VL's fullatt blocks on a large image).
+_Q_TILE = 1024
+
 
 class Weight(nn.Module):
     """One named checkpoint tensor held as ``self.weight``."""
@@ -56,3 +60,43 @@ def activation(name: str):
     if fn is None:
         raise UnsupportedModelError(f"vision activation {name!r} is not supported ({', '.join(ACTIVATIONS)})")
     return fn
+
+
+def tower_attention(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Bidirectional attention within each packed segment (an image, or a Qwen2.5-VL window): q, k, v
+    [T, h, d], cu [S + 1] the segment offsets -> [T, h, d]. Segments of equal length are batched into one
+    matmul-softmax-matmul ([n, h, L, L] scores, query rows tiled), so CLIP's one segment per image and the
+    windows of a Qwen2.5-VL image (a few distinct lengths) cost a handful of calls instead of the tiled loop
+    over every segment that the causal prefill kernel runs. The reference kernel set keeps its twin
+    (kernels.varlen_attention, the test oracle)."""
+    if kernels.impl == "reference":
+        return kernels.varlen_attention(q, k, v, cu, scale, False)
+    bounds = cu.tolist()
+    by_len: dict[int, list[int]] = {}
+    for i in range(len(bounds) - 1):
+        if bounds[i + 1] > bounds[i]:
+            by_len.setdefault(bounds[i + 1] - bounds[i], []).append(bounds[i])
+    out = torch.empty_like(q)
+    h, d = q.shape[1], q.shape[2]
+    for length, starts in by_len.items():
+        if len(starts) == 1:
+            idx = None
+            sl = slice(starts[0], starts[0] + length)
+            qs, ks, vs = (x[sl].unsqueeze(0) for x in (q, k, v))
+        else:
+            idx = (torch.tensor(starts, device=q.device)[:, None]
+                   + torch.arange(length, device=q.device)[None, :]).reshape(-1)
+            qs, ks, vs = (x.index_select(0, idx).view(len(starts), length, h, d) for x in (q, k, v))
+        qs, ks, vs = (x.transpose(1, 2) for x in (qs, ks, vs))  # [n, h, L, d]
+        kt = ks.transpose(-1, -2)
+        o = torch.empty_like(qs)
+        for r in range(0, length, _Q_TILE):
+            sc = torch.matmul(qs[:, :, r:r + _Q_TILE], kt).float().mul_(scale)
+            o[:, :, r:r + _Q_TILE] = torch.matmul(torch.softmax(sc, dim=-1).to(vs.dtype), vs)
+        o = o.transpose(1, 2)  # [n, L, h, d]
+        if idx is None:
+            out[sl] = o[0]
+        else:
+            out.index_copy_(0, idx, o.reshape(-1, h, d))
+    return out

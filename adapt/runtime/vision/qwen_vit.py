@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from adapt.runtime.models.layers import Linear, RMSNorm
-from adapt.runtime.vision.common import Weight, activation
+from adapt.runtime.vision.common import Weight, activation, tower_attention
 from adapt.spec import VisionSpec
 
 
@@ -58,7 +58,7 @@ class VisionBlock(nn.Module):
         c, s = cos[:, None], sin[:, None]  # [N, 1, D] float32
         q = (q.float() * c + rotate_half(q.float()) * s).to(x.dtype)
         k = (k.float() * c + rotate_half(k.float()) * s).to(x.dtype)
-        o = kernels.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu, d ** -0.5, False)
+        o = tower_attention(kernels, q, k, v, cu, d ** -0.5)
         x = x + self.proj(o.reshape(t, h * d))
         y = kernels.rms_norm(x, self.norm2.weight, self.norm2.eps)
         return x + self.down(self.act(self.gate(y)) * self.up(y))

@@ -91,6 +91,16 @@ def test_the_image_changes_the_output(vlm):
     assert (la[-1] - lb[-1]).abs().max().item() > 1e-3
 
 
+def test_last_only_prefill_is_the_last_row(vlm):
+    """prefill(last_only=True) (what the bench times against transformers' logits_to_keep=1) is the last row."""
+    kind, _, eng = vlm
+    a = eng.image_processor()(make_image(45, 20, seed=3))
+    ids = expand_placeholders(_prompt(kind), [a], IMAGE_TOKEN[kind])
+    full, last = eng.prefill(ids, images=[a]).logits, eng.prefill(ids, images=[a], last_only=True).logits
+    assert last.shape == (1, full.shape[1])
+    torch.testing.assert_close(last[0], full[-1], atol=1e-5, rtol=1e-5)
+
+
 def test_window_index_and_mrope_positions_equal_transformers():
     """The window permutation (its partial windows at the edges) and the M-RoPE streams, against
     transformers' own functions."""
