@@ -128,6 +128,14 @@ def _endpoint_report(r: Result) -> None:
     assert doc["environment"]["endpoint"]["served_model_name"] == "ref-model"
 
 
+def _bench_json(d: dict, n: int) -> None:
+    assert d["completed"] == n and d["failed"] == 0 and d["errors"] == {}, d
+    for k in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+        assert {"mean", "p50", "p90", "p99"} <= set(d[k]), d[k]
+    assert d["output_tokens_per_s"] > 0 and d["goodput"] > 0
+    assert d["server_metrics"]["generation_tokens"] == d["output_tokens"], d["server_metrics"]
+
+
 _state: dict[str, Result] = {}
 
 RULES: list[Rule] = [
@@ -204,6 +212,11 @@ RULES: list[Rule] = [
          subst={"--port 8000": "--port 0"}),
     Rule(r"^adapt validate --endpoint http://localhost:8000 --reference \./ref-model --out report/$",
          _endpoint_report),
+    # adapt bench serve
+    Rule(r"^adapt bench serve --endpoint http://localhost:8000 --requests 16 --concurrency 4 --input-len 32 "
+         r"--output-len 8 --format json$", _json(lambda d: _bench_json(d, 16))),
+    Rule(r"^adapt bench serve --endpoint http://localhost:8000 --requests 16 --rate 20 --output-len 8 "
+         r"--slo ttft=0\.5,itl=0\.05$", _ok("completed 16, failed 0", "goodput", "server /metrics", stream="out")),
     # adapt day0
     Rule(r"^adapt day0 --out day0/$", _ok(files=("day0/day0.md", "day0/validate/report.html"))),
     Rule(r"^adapt day0 \./my-model --out day0/$", _ok(files=("day0/day0.md", "day0/validate/report.html")),
