@@ -117,14 +117,62 @@ def _quant(cfg: Mapping[str, Any]) -> QuantSpec | None:
     q = cfg.get("quantization_config")
     if not q:
         return None
+    if not isinstance(q, Mapping):
+        raise ConfigError("quantization_config must be a JSON object")
     method = q.get("quant_method")
-    if method != "fp8":
-        raise ConfigError(f"unsupported quantization_config.quant_method {method!r}; supported: fp8")
-    fmt = q.get("fmt", "e4m3")
-    block = q.get("weight_block_size") or [128, 128]
-    if fmt != "e4m3" or len(block) != 2:
-        raise ConfigError(f"unsupported fp8 quantization: fmt={fmt!r} weight_block_size={block!r}")
-    return QuantSpec(method="fp8", fmt=fmt, block_size=(int(block[0]), int(block[1])))
+    if method == "fp8":
+        fmt = q.get("fmt", "e4m3")
+        block = q.get("weight_block_size") or [128, 128]
+        if fmt != "e4m3" or not isinstance(block, (list, tuple)) or len(block) != 2 or min(int(b) for b in block) < 1:
+            raise ConfigError(f"quantization_config fp8: fmt must be e4m3 and weight_block_size two positive ints; "
+                              f"got fmt={fmt!r} weight_block_size={block!r}")
+        return QuantSpec(method="fp8", fmt=fmt, block_size=(int(block[0]), int(block[1])),
+                         ignore=tuple(str(m) for m in q.get("modules_to_not_convert") or ()))
+    if method == "compressed-tensors":
+        return _compressed_tensors(q)
+    raise ConfigError(f"unsupported quantization_config.quant_method {method!r}; supported: fp8, compressed-tensors")
+
+
+_CT_FORMATS = {"int-quantized": 8, "pack-quantized": 4}
+
+
+def _compressed_tensors(q: Mapping[str, Any]) -> QuantSpec:
+    """compressed-tensors' weight-only int8 (int-quantized, per channel) and int4 (pack-quantized, per group or
+    channel) schemes: one config group targeting Linear, activations unquantized."""
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, Mapping) or len(groups) != 1:
+        raise ConfigError(f"quantization_config compressed-tensors: exactly one config group is supported; "
+                          f"got {len(groups) if isinstance(groups, Mapping) else groups!r}")
+    name, g = next(iter(groups.items()))
+    fmt = g.get("format") or q.get("format")
+    if fmt not in _CT_FORMATS:
+        raise ConfigError(f"unsupported compressed-tensors format {fmt!r}; supported: {', '.join(_CT_FORMATS)}")
+    if "Linear" not in (g.get("targets") or ()):
+        raise ConfigError(f"compressed-tensors config group {name!r}: targets must include 'Linear'; "
+                          f"got {g.get('targets')!r}")
+    if g.get("input_activations") or g.get("output_activations"):
+        raise ConfigError(f"compressed-tensors config group {name!r}: quantized activations (W8A8) are not "
+                          "supported; weight-only schemes (W8A16, W4A16) are")
+    w = g.get("weights") or {}
+    bits, strategy, group = w.get("num_bits"), w.get("strategy"), w.get("group_size")
+    if w.get("type", "int") != "int" or bits != _CT_FORMATS[fmt]:
+        raise ConfigError(f"compressed-tensors {fmt}: weights must be type int with num_bits "
+                          f"{_CT_FORMATS[fmt]}; got type={w.get('type')!r} num_bits={bits!r}")
+    if w.get("actorder") or w.get("dynamic"):
+        raise ConfigError(f"compressed-tensors {fmt}: actorder and dynamic weights are not supported")
+    if strategy == "channel" or (strategy == "group" and group == -1):
+        group = None
+    elif strategy == "group" and bits == 4:
+        if not isinstance(group, int) or group < 1:
+            raise ConfigError(f"compressed-tensors {fmt}: group strategy needs a positive group_size; got {group!r}")
+    else:
+        raise ConfigError(f"compressed-tensors {fmt}: weight strategy {strategy!r} is not supported "
+                          f"(int8: channel; int4: group or channel)")
+    symmetric = bool(w.get("symmetric", True))
+    if bits == 8 and not symmetric:
+        raise ConfigError("compressed-tensors int-quantized: only symmetric int8 weights are supported")
+    return QuantSpec(method="compressed-tensors", fmt=fmt, bits=bits, group_size=group, symmetric=symmetric,
+                     ignore=tuple(str(m) for m in q.get("ignore") or ()))
 
 
 def _eos(cfg: Mapping[str, Any]) -> tuple[int, ...]:
@@ -255,7 +303,7 @@ def parse_text(cfg: dict[str, Any], mt: str) -> ModelSpec:
         mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
         tie_word_embeddings=bool(_get(cfg, d, "tie_word_embeddings", False)),
         max_position_embeddings=int(_get(cfg, d, "max_position_embeddings")), num_mtp_layers=mtp,
-        weight_dtype="float8_e4m3fn" if quant else dtype, dtype=dtype, quant=quant,
+        weight_dtype=quant.weight_dtype if quant else dtype, dtype=dtype, quant=quant,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos(cfg), text_model_type=mt)
 
 

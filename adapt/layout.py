@@ -35,7 +35,8 @@ class TensorSpec:
     tp_dim: int | None = None  # the dim tensor parallelism slices (column/vocab: 0, row: 1)
     head_size: int | None = None  # rows per attention head along tp_dim: KV heads replicate when tp > heads
     mtp: bool = False
-    scale_of: str | None = None  # FP8: this tensor holds the block scales of that weight
+    scale_of: str | None = None  # a quantized weight's companion (scales, zero points, shape) of that tensor
+    packed_dim: int | None = None  # int4: eight values to an int32 along this dim (compressed-tensors)
 
     @property
     def numel(self) -> int:
@@ -45,12 +46,28 @@ class TensorSpec:
         return n
 
     @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape in the file: ``shape``, or with ``packed_dim`` eight int4 values to an int32."""
+        if self.packed_dim is None:
+            return self.shape
+        s = list(self.shape)
+        s[self.packed_dim] = ceil_div(s[self.packed_dim], 8)
+        return tuple(s)
+
+    @property
+    def stored_dtype(self) -> str:
+        return "int32" if self.packed_dim is not None else self.dtype
+
+    @property
     def nbytes(self) -> int:
-        return int(self.numel * dtype_bytes(self.dtype))
+        n = 1
+        for s in self.stored_shape:
+            n *= s
+        return int(n * dtype_bytes(self.stored_dtype))
 
     @property
     def is_param(self) -> bool:
-        """A model weight (not an FP8 scale tensor)."""
+        """A model weight (not a quantized weight's scale, zero point or shape tensor)."""
         return self.scale_of is None
 
 
@@ -153,6 +170,38 @@ def is_quantizable(t: TensorSpec) -> bool:
     return t.role in _QUANT_ROLES and len(t.shape) == 2
 
 
+def quantized_tensors(q, name: str, shape: tuple[int, int], role: str, split: str, layer, expert, tp_dim,
+                      head_size, mtp: bool, scale_dtype: str) -> list[TensorSpec]:
+    """The tensors a quantized linear weight ``name`` ([N, K]) is stored as (``QuantSpec``'s formats): the weight
+    itself, then its companions, each naming it in ``scale_of``. A per-channel scale [N, 1] follows the weight's
+    rows and is whole on ranks that split K; a group or block scale splits along the weight's split dim."""
+    n, k = shape
+    base = name[: -len("weight")] if name.endswith(".weight") else name + "_"
+
+    def part(pname, pshape, dtype, pdim=tp_dim, packed=None, psplit=split):
+        return TensorSpec(pname, pshape, dtype, "scale", psplit, layer, expert, pdim, None, mtp, scale_of=main,
+                          packed_dim=packed)
+
+    if q.method == "fp8":
+        main = name
+        bm, bn = q.block_size
+        return [TensorSpec(name, shape, "float8_e4m3fn", role, split, layer, expert, tp_dim, head_size, mtp),
+                part(name + "_scale_inv", (ceil_div(n, bm), ceil_div(k, bn)), "float32")]
+    groups = ceil_div(k, q.group_size) if q.group_size else 1
+    gdim = tp_dim if (groups > 1 or tp_dim == 0) else None  # [N, 1] scales are whole where K splits
+    if q.bits == 8:
+        main = name
+        return [TensorSpec(name, shape, "int8", role, split, layer, expert, tp_dim, head_size, mtp),
+                part(base + "weight_scale", (n, 1), scale_dtype, gdim)]
+    main = base + "weight_packed"
+    out = [TensorSpec(main, shape, "int4", role, split, layer, expert, tp_dim, head_size, mtp, packed_dim=1),
+           part(base + "weight_scale", (n, groups), scale_dtype, gdim),
+           part(base + "weight_shape", (2,), "int64", None, psplit="expert" if split == "expert" else "replicated")]
+    if not q.symmetric:
+        out.append(part(base + "weight_zero_point", (n, groups), "int4", gdim, packed=0))
+    return out
+
+
 class _Builder:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
@@ -162,13 +211,13 @@ class _Builder:
 
     def add(self, name, shape, role, split="replicated", layer=None, expert=None, tp_dim=None, head_size=None,
             mtp=False, quantizable=False):
-        dtype = self.wdtype if (quantizable and self.spec.quant) else self.dtype
-        t = TensorSpec(name, tuple(int(s) for s in shape), dtype, role, split, layer, expert, tp_dim, head_size, mtp)
-        self.out.append(t)
-        if quantizable and self.spec.quant:
-            bm, bn = self.spec.quant.block_size
-            self.out.append(TensorSpec(name + "_scale_inv", (ceil_div(shape[0], bm), ceil_div(shape[1], bn)),
-                                       "float32", "scale", split, layer, expert, tp_dim, None, mtp, scale_of=name))
+        shape = tuple(int(s) for s in shape)
+        q = self.spec.quant
+        if quantizable and q is not None and q.quantizes(name):
+            self.out += quantized_tensors(q, name, shape, role, split, layer, expert, tp_dim, head_size, mtp,
+                                          self.dtype)
+            return
+        self.out.append(TensorSpec(name, shape, self.dtype, role, split, layer, expert, tp_dim, head_size, mtp))
 
     def linear(self, prefix, out_f, in_f, role, split, layer, expert=None, bias=False, head_size=None, mtp=False):
         tp_dim = {"column": 0, "row": 1}.get(split)

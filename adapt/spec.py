@@ -124,11 +124,43 @@ class VisionSpec:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """Checkpoint weight quantization (FP8 e4m3 with block scales, the DeepSeek-V3 layout)."""
+    """Checkpoint weight quantization, as ``quantization_config`` says (parsed in adapt.hf_config):
 
-    method: str  # fp8
-    fmt: str  # e4m3
-    block_size: tuple[int, int] = (128, 128)
+    - method ``fp8``, fmt ``e4m3`` (DeepSeek-V3 / Kimi-K2): float8_e4m3fn weights with a float32
+      ``weight_scale_inv`` per ``block_size`` block;
+    - method ``compressed-tensors``, fmt ``int-quantized`` (int8 ``weight`` + ``weight_scale`` [N, 1], one per
+      output channel) or ``pack-quantized`` (int4, eight to an int32 ``weight_packed`` [N, K/8], ``weight_scale``
+      [N, K/group_size] or [N, 1], ``weight_shape``, and with ``symmetric=False`` a ``weight_zero_point``
+      packed along the output dim).
+
+    ``ignore``: module names (or ``re:`` patterns) kept unquantized (``modules_to_not_convert`` / ``ignore``).
+    """
+
+    method: str  # fp8 | compressed-tensors
+    fmt: str  # e4m3 | int-quantized | pack-quantized
+    block_size: tuple[int, int] = (128, 128)  # fp8: the scale block (rows, cols)
+    bits: int = 8
+    group_size: int | None = None  # int4: columns per scale; None: one scale per output channel
+    symmetric: bool = True
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype name of the quantized matrices: float8_e4m3fn, int8 or int4."""
+        return "float8_e4m3fn" if self.method == "fp8" else f"int{self.bits}"
+
+    def quantizes(self, weight_name: str) -> bool:
+        """Whether the checkpoint stores this linear weight (``model.layers.0.mlp.up_proj.weight``) quantized."""
+        import re
+
+        module = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+        for pat in self.ignore:
+            if pat.startswith("re:"):
+                if re.match(pat[3:], module):
+                    return False
+            elif module == pat or module.endswith("." + pat) or module.startswith(pat + "."):
+                return False
+        return True
 
 
 @dataclass(frozen=True)
@@ -203,7 +235,8 @@ class ModelSpec:
 
 def dtype_bytes(dtype: str) -> float:
     """Bytes per element of a dtype name (fp8 = 1, int4 = 0.5)."""
-    table = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "fp8": 1, "int8": 1, "int4": 0.5}
+    table = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "fp8": 1, "int8": 1, "int4": 0.5,
+             "int32": 4, "int64": 8}
     key = _DTYPES.get(dtype, dtype)
     if key not in table:
         raise ConfigError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(table))}")

@@ -49,6 +49,9 @@ def run(
                                "(2GiB, 512MiB) or a fraction of free memory (0.5).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | int8")] = "auto",
     prepack: PrepackOpt = "auto",
+    weights_dtype: Annotated[str, typer.Option("--weights-dtype", help="auto | bf16 | fp16 | fp32: a quantized "
+                             "checkpoint's linears stay quantized (auto) or are dequantized at load to that dtype "
+                             "(= --dtype).")] = "auto",
     fmt: FormatOpt = "text",
     nproc: NprocOpt = 0,
     nnodes: NnodesOpt = None,
@@ -74,6 +77,7 @@ def run(
     kw = dict(chat=chat, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               stop=stop, ignore_eos=ignore_eos, device=device, dtype=dtype, kernels=kernels,
               kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, prepack=prepack, images=image,
+              weights_dtype=weights_dtype,
               allow_remote_images=allow_remote_images)
     if mode == "rank":
         from adapt.runtime.distributed.faults import rank_guard

@@ -28,6 +28,7 @@ from adapt.runtime.cache.kv_pool import KVCacheSpec, KVPool, available_memory_by
 from adapt.runtime.host_memory import huge_pages_status, tune_malloc
 from adapt.runtime import cpu_kernels
 from adapt.runtime.kernels import get_kernels
+from adapt.plan import tensor_slice
 from adapt.runtime.loader import load_weights, materialize
 from adapt.runtime.models.layers import PACK_DTYPES_ALL, PACK_DTYPES_EXACT, can_prepack, linears_form, prepack_linears
 from adapt.runtime.models.moe import experts_form, routers_form
@@ -129,6 +130,9 @@ class Engine:
         self.max_model_len = max_model_len
         self.path = path
         self.last_stats: dict = {}
+        from adapt.runtime.quant.load import weights_summary
+
+        self.weight_bytes, self.weights_held = weights_summary(model)
 
     @classmethod
     def from_pretrained(cls, model: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
@@ -136,7 +140,7 @@ class Engine:
                         kv_cache_dtype: str = "auto", block_size: int = 16, max_num_seqs: int = 256,
                         max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                         prepack: str = "auto", enable_prefix_caching: bool = False,
-                        enable_chunked_prefill: bool = False) -> "Engine":
+                        enable_chunked_prefill: bool = False, weights_dtype: str = "auto") -> "Engine":
         """Load a checkpoint dir, an ``adapt shard`` output dir or a built-in name for ``ctx``'s rank.
 
         kv_cache_memory: bytes, a size string ('2GiB') or a fraction of free memory ('0.5'); default 90% of
@@ -147,7 +151,9 @@ class Engine:
         the fused tiled CPU kernel where a trial says it wins (not bitwise either); 'exact' only the
         bitwise-exact dtypes (oneDNN); 'off' never. enable_prefix_caching: reuse the KV blocks of prompt
         prefixes seen before (not for sliding-window models); enable_chunked_prefill: prefill at most
-        max_num_batched_tokens tokens per step, alternating with decode steps.
+        max_num_batched_tokens tokens per step, alternating with decode steps. weights_dtype: for a quantized
+        checkpoint (fp8 blocks, compressed-tensors int8 / int4), 'auto' holds its linears quantized as stored
+        (runtime/quant/), 'bf16' / 'fp16' / 'fp32' dequantize every weight at load (that dtype must be ``dtype``).
         """
         if prepack not in ("auto", "exact", "off"):
             raise RuntimeConfigError(f"--prepack must be auto, exact or off; got {prepack!r}")
@@ -165,11 +171,19 @@ class Engine:
         k = get_kernels(kernels) if kernels in ("adapt", "reference") else None
         if k is None:
             raise RuntimeConfigError(f"--kernels must be adapt or reference; got {kernels!r}")
+        wdt = check_weights_dtype(weights_dtype, tdtype)
         src = open_model(model, ctx)
         spec = src.spec
         layout = WeightLayout.from_spec(spec)
         with torch.device("meta"):
             net = model_class(spec)(spec, layout, ctx, k)
+        if spec.quant is not None and wdt == "auto":  # linears held quantized (runtime/quant/)
+            from adapt.runtime.quant.load import prepare
+
+            def slice_of(t):
+                return None if ctx.plan is None or src.presliced else tensor_slice(t, ctx.plan, ctx.rank, spec)
+
+            prepare(net, spec, layout, slice_of, fused=kernels == "adapt" and dev.type == "cpu")
         materialize(net, dev, tdtype)
         load_weights(net, spec, layout, ctx, src.reader, presliced=src.presliced)
         if prepack != "off" and can_prepack(dev):
@@ -256,6 +270,8 @@ class Engine:
             "moe_experts": experts_form(self.model),  # tiled / oneDNN packed / stacked (models/moe.py)
             "moe_router": routers_form(self.model),  # fused / torch (models/moe.py)
             "linears": linears_form(self.model),  # {"fma panels" | "oneDNN packed" | "plain": count}
+            "weight_bytes": self.weight_bytes,  # resident on the device, this rank (runtime/quant/load.py)
+            "weights": self.weights_held,  # how each group is held: quantized forms, dense dtypes
             "huge_pages": huge_pages_status() if self.device.type == "cpu" else None,  # weights (host_memory.py)
             "kv_cache": {
                 "dtype": "int8" if self.pool.spec.quant == "int8" else str(self.pool.spec.dtype).replace("torch.", ""),
@@ -303,6 +319,19 @@ class Engine:
         if getattr(self, "_image_processor", None) is None:
             self._image_processor = ImageProcessor(self.path, self.spec.vision)
         return self._image_processor
+
+
+def check_weights_dtype(weights_dtype: str, dtype: torch.dtype) -> str:
+    """``--weights-dtype``: auto (a quantized checkpoint's linears stay quantized) or the dtype every weight is
+    dequantized to at load, which must be the compute dtype."""
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if weights_dtype != "auto" and weights_dtype not in names:
+        raise RuntimeConfigError(f"--weights-dtype must be auto, bf16, fp16 or fp32; got {weights_dtype!r}")
+    if weights_dtype != "auto" and names[weights_dtype] != dtype:
+        raise RuntimeConfigError(f"--weights-dtype {weights_dtype} needs --dtype "
+                                 f"{str(names[weights_dtype]).replace('torch.', '')} (the runtime computes in the "
+                                 f"weights' dtype; got --dtype {str(dtype).replace('torch.', '')})")
+    return weights_dtype
 
 
 def _windowed(spec: ModelSpec) -> bool:

@@ -79,7 +79,8 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
             if p is None:
                 continue
             keep = getattr(p, "keep_fp32", False)
-            dt = torch.float32 if keep else dtype
+            held = getattr(p, "keep_dtype", False)  # quantized values and scales (runtime/quant/weight.py)
+            dt = p.dtype if held else torch.float32 if keep else dtype
             transposed = getattr(p, "store_transposed", False)  # [..., M, N] held as a view of [..., N, M]
             shape = (*p.shape[:-2], p.shape[-1], p.shape[-2]) if transposed else tuple(p.shape)
             # on the CPU in transparent huge pages where large (host_memory.empty_huge: fewer TLB misses as a
@@ -90,6 +91,7 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
             new = nn.Parameter(data, requires_grad=False)
             new.store_transposed = getattr(p, "store_transposed", False)
             new.keep_fp32 = keep
+            new.keep_dtype = held
             module._parameters[name] = new
 
 
@@ -99,24 +101,42 @@ def load_weights(model: nn.Module, spec: ModelSpec, layout: WeightLayout, ctx: P
 
     presliced: the files already hold this rank's slices (``adapt shard`` output), so read them whole.
     """
-    if spec.quant is not None:
-        raise CheckpointError("FP8 block-quantized checkpoints are not loaded directly; convert them with "
-                              "`adapt shard --dtype bfloat16` first")
     loaders = collect_loaders(model)
+    quant = None
+    if spec.quant is not None:  # quantized weights: their stored tensors' loaders (runtime/quant/load.py)
+        from adapt.runtime.quant.load import QuantLoaders
+
+        quant = QuantLoaders(model, spec, layout, loaders)
+        loaders = quant.loaders
     done = set()
     for t in layout.main():
         if t.name not in loaders:
             continue
         sl = None
         if ctx.plan is not None and not presliced:
-            sl = tensor_slice(t, ctx.plan, ctx.rank, spec)
+            # a quantized weight's companion is read whole and cut by its weight's slice
+            sl = tensor_slice(layout[t.scale_of] if t.scale_of else t, ctx.plan, ctx.rank, spec)
             if sl is None:
                 continue
         if t.name not in reader:
             raise CheckpointError(f"checkpoint is missing tensor {t.name!r} (layout of {spec.model_type})")
-        loaders[t.name](reader.read(t.name, sl))
+        if t.scale_of is not None:
+            loaders[t.name](reader.read(t.name), sl)
+        else:
+            loaders[t.name](reader.read(t.name, stored_slice(t, sl)))
         done.add(t.name)
     left = sorted(set(loaders) - done)
     if left:
         raise CheckpointError(f"no checkpoint tensor for {left[0]!r} ({len(left)} missing)")
     return len(done)
+
+
+def stored_slice(t, sl: TensorSlice | None) -> TensorSlice | None:
+    """A slice of t's logical shape in its file's terms: int4 packs eight values to an int32 along
+    ``packed_dim``, so a slice there must start on a word."""
+    if sl is None or sl.whole or t.packed_dim != sl.dim:
+        return sl
+    if sl.start % 8 or (sl.stop % 8 and sl.stop != t.shape[sl.dim]):
+        raise CheckpointError(f"{t.name}: the slice [{sl.start}, {sl.stop}) of dim {sl.dim} cuts an int32 word of "
+                              "eight int4 values (8 must divide the split)")
+    return TensorSlice(sl.name, sl.dim, sl.start // 8, -(-sl.stop // 8))

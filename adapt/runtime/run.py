@@ -29,7 +29,7 @@ def run_generation(model: str | Path, prompts: list[str] | None = None, prompt_i
                    ignore_eos: bool = False, device: str = "cpu", dtype: str = "float32", kernels: str = "adapt",
                    kv_cache_memory: str | None = None, kv_cache_dtype: str = "auto", prepack: str = "auto",
                    ctx: ParallelContext = SINGLE, engine: Engine | None = None, images: list[str] | None = None,
-                   allow_remote_images: bool = False) -> dict:
+                   allow_remote_images: bool = False, weights_dtype: str = "auto") -> dict:
     """Load MODEL (unless ``engine`` is given), run all prompts as one batch, return the JSON document
     ``{"outputs": [{"prompt_token_ids", "token_ids", "text", "finish_reason"}], "stats": {...}}``.
 
@@ -43,7 +43,7 @@ def run_generation(model: str | Path, prompts: list[str] | None = None, prompt_i
     t0 = time.perf_counter()
     eng = engine or Engine.from_pretrained(model, device=device, dtype=dtype, kernels=kernels, ctx=ctx,
                                            kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                                           prepack=prepack)
+                                           prepack=prepack, weights_dtype=weights_dtype)
     load_s = time.perf_counter() - t0
     ids: list[list[int]] = []
     pre = preprocess_images(eng, images or [], allow_remote_images)

@@ -191,8 +191,8 @@ def check_against_layout(ckpt: Checkpoint, layout: WeightLayout) -> list[str]:
     use_mtp = any(n in have for n in mtp)
     missing = [n for n, t in want.items() if n not in have and (use_mtp or not t.mtp)]
     extra = [n for n in have if n not in want]
-    shaped = [f"{n} {list(have[n].shape)} (expected {list(t.shape)})" for n, t in want.items()
-              if n in have and have[n].shape != t.shape]
+    shaped = [f"{n} {list(have[n].shape)} (expected {list(t.stored_shape)})" for n, t in want.items()
+              if n in have and have[n].shape != t.stored_shape]
     fp8 = [f"{n} is {have[n].dtype} (expected float8_e4m3fn)" for n, t in want.items()
            if n in have and t.dtype == "float8_e4m3fn" and have[n].dtype != "float8_e4m3fn"]
     problems = []

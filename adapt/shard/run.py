@@ -216,6 +216,9 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     hashing.native()  # and the native sha256 is built (once per host) or its absence stated
     cfg = read_config(Path(src_dir) / "config.json")
     spec = ModelSpec.from_hf_config(cfg, name=src_dir.name)
+    if spec.quant is not None and spec.quant.method != "fp8":
+        raise ShardError(f"{src_dir}: adapt shard does not slice {spec.quant.method} ({spec.quant.fmt}) checkpoints "
+                         "yet; adapt run reads them directly")
     layout = WeightLayout.from_spec(spec)
     if plan is None:
         plan = load_plan_file(Path(plan_file), spec) if plan_file else ParallelPlan.build(spec, tp, pp, ep, dp)

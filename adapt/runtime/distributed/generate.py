@@ -133,13 +133,15 @@ def _dp_generate(eng, ctx: DistributedContext, generate_one):
 def run_distributed(model: str | Path, prompts=None, prompt_ids=None, *, device: str = "cpu",
                     dtype: str = "float32", kernels: str = "adapt", kv_cache_memory=None, kv_cache_dtype: str = "auto",
                     prepack: str = "auto", dist_backend: str | None = None, dist_timeout: float = DEFAULT_TIMEOUT_S,
-                    micro_batches: int | None = None, collective_stats: bool = False, **gen_kw) -> dict | None:
+                    micro_batches: int | None = None, collective_stats: bool = False, weights_dtype: str = "auto",
+                    **gen_kw) -> dict | None:
     """This rank's part of ``adapt run`` on a shard output: the run_generation document on rank 0 (with
     ``stats.parallel`` and, with collective_stats, ``stats.collectives``), None on the other ranks."""
     from adapt.runtime.run import run_generation
 
     eng, ctx = open_distributed(model, device, dtype, dist_backend, dist_timeout, micro_batches, kernels=kernels,
-                                kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, prepack=prepack)
+                                kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, prepack=prepack,
+                                weights_dtype=weights_dtype)
     if ctx.dp_size > 1:
         eng.generate = _dp_generate(eng, ctx, eng.generate)
     doc = run_generation(model, prompts, prompt_ids, engine=eng, device=device, dtype=dtype, kernels=kernels,

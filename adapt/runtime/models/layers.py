@@ -49,7 +49,10 @@ def slot_loader(module: nn.Module, attr: str, name: str, row: int | None = None,
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; or, on a weight :func:`prepack_linears` has packed, the tiled FMA GEMM (float32 column panels,
     a 3-D weight, float32 or bfloat16) or oneDNN's linear (``weight.is_mkldnn``, its row count rounded up to a bucket,
-    ``bucket_rows``, so that new prefill lengths reuse compiled primitives)."""
+    ``bucket_rows``, so that new prefill lengths reuse compiled primitives); a weight held quantized
+    (runtime/quant/weight.py, a module) runs its own kernel."""
+    if isinstance(weight, nn.Module):
+        return weight(x, bias)
     if weight.dim() == 3:  # column panels for the FMA GEMM (prepack_linears)
         return linear_tiled(x, weight, bias)
     if weight.is_mkldnn:

@@ -17,6 +17,7 @@
 #include "elementwise.h"
 #include "moe.h"
 #include "moe_gemm.h"
+#include "quant_gemm.h"
 
 using namespace adapt_cpu;
 
@@ -42,6 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts_tiled", &moe_experts_tiled);
   m.def("moe_tiled_dtypes", &moe_tiled_dtypes);
   m.def("moe_tiled_bf16_gemm", &moe_tiled_bf16_gemm);
+  m.def("quant_linear", &quant_linear);
   m.def("linear_tiled", &linear_tiled, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
 #ifdef ADAPT_VW
   m.attr("PANEL") = FMA_NR;  // columns per packed float32 panel of the tiled MoE kernel and linear_tiled

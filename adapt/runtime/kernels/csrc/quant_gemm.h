@@ -1,0 +1,203 @@
+// Quantized linear: y [M, N] = x [M, K] @ dequant(W)^T (+ bias), W held quantized (kernels/quant_linear.py).
+//
+// Legend: M rows of x, N output features, K input features, RB rows per scale row, BK columns per scale
+// column (fp8 blocks: 128 x 128; int8 per channel: 1 x K; int4 groups: 1 x group).
+// Weight forms (``kind``):
+//   0 fp8   q [N, K] float8_e4m3fn bytes, scale [ceil(N / RB), ceil(K / BK)] (DeepSeek's weight_scale_inv)
+//   1 int8  q [N, K] int8, symmetric
+//   2 int4  q [N, Kp] bytes of compressed-tensors' int32 words: value k is nibble k % 2 of byte k / 2, stored
+//           as q + 8; zero [N, ceil(K / BK)] int8 (asymmetric) or none
+// dequant(W)[n, k] = (q - zero) * scale[n / RB, k / BK], computed in float32 exactly as the torch twin computes
+// it (one multiply; the integer and fp8 values and their differences are exact in float32). Each thread takes
+// a range of NB-row blocks of W; for every chunk of x's rows (about 256 KB) a block is dequantized into a
+// float32 buffer that stays in L1/L2, and every row of the chunk is dotted with it: the weight bytes stream
+// from memory once per chunk (once per decode step), a quarter (int8, fp8) or an eighth (int4) of float32's.
+// Sums in float32 (lane-wise over k, then across lanes), the bias added, one rounding to x's dtype.
+#pragma once
+
+#include "common.h"
+#include "moe_gemm.h"  // with_rows
+
+namespace adapt_cpu {
+
+constexpr int QNB = 4;  // rows of W per block
+#if ADAPT_VW == 16
+constexpr int QMR = 4;  // rows of x per register block: QMR * QNB accumulators + QNB weight vectors + 1
+#else
+constexpr int QMR = 2;
+#endif
+
+inline float fp8_e4m3_f32(uint8_t b) {
+  // sign to bit 31, exponent and mantissa to bits 20-26: a float32 2^120 too small (subnormals included),
+  // rescaled exactly by the multiply. (NaN, 0x7F / 0xFF, is not a weight value and reads as +-480.)
+  uint32_t bits = (static_cast<uint32_t>(b & 0x80) << 24) | (static_cast<uint32_t>(b & 0x7F) << 20);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f * 0x1p120f;
+}
+
+#ifdef ADAPT_VW
+#if ADAPT_VW == 16
+inline vi vbytes_u32(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vi vbytes_i32(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf vfp8(const uint8_t* p) {
+  const vi u = vbytes_u32(p);
+  const vi bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24),
+                                  _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7F)), 20));
+  return vmul(_mm512_castsi512_ps(bits), vset1(0x1p120f));
+}
+inline vf vint8(const uint8_t* p) { return _mm512_cvtepi32_ps(vbytes_i32(p)); }
+inline vf vint4(const uint8_t* p) {  // 16 values from 8 bytes (two words), minus the offset 8
+  uint32_t w0, w1;
+  std::memcpy(&w0, p, 4);
+  std::memcpy(&w1, p + 4, 4);
+  const vi w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(static_cast<int>(w0))),
+                                  _mm256_set1_epi32(static_cast<int>(w1)), 1);
+  const vi sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const vi v = _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(0xF));
+  return vsub(_mm512_cvtepi32_ps(v), vset1(8.f));
+}
+#else
+inline vf vfp8(const uint8_t* p) {
+  const vi u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const vi bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24),
+                                  _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F)), 20));
+  return vmul(_mm256_castsi256_ps(bits), vset1(0x1p120f));
+}
+inline vf vint8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf vint4(const uint8_t* p) {  // 8 values from 4 bytes (one word), minus the offset 8
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  const vi sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const vi v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), sh), _mm256_set1_epi32(0xF));
+  return vsub(_mm256_cvtepi32_ps(v), vset1(8.f));
+}
+#endif
+#endif
+
+inline float qvalue(int kind, const uint8_t* q, int64_t k) {
+  if (kind == 0) return fp8_e4m3_f32(q[k]);
+  if (kind == 1) return static_cast<float>(static_cast<int8_t>(q[k]));
+  return static_cast<float>(static_cast<int>((q[k >> 1] >> ((k & 1) * 4)) & 0xF) - 8);
+}
+
+// out [K] = dequant of one row of W (q: the row's bytes, s: its scale row, z: its zero row or null)
+inline void dequant_row(int kind, const uint8_t* q, const float* s, const int8_t* z, int64_t K, int64_t BK,
+                        float* out) {
+  for (int64_t g = 0, k0 = 0; k0 < K; ++g, k0 += BK) {
+    const int64_t k1 = std::min(K, k0 + BK);
+    const float sc = s[g], zf = z ? static_cast<float>(z[g]) : 0.f;
+    int64_t k = k0;
+#ifdef ADAPT_VW
+    const vf vs = vset1(sc), vz = vset1(zf);
+    if (kind == 0) {
+      for (; k + VW <= k1; k += VW) vstoreu(out + k, vmul(vfp8(q + k), vs));
+    } else if (kind == 1) {
+      for (; k + VW <= k1; k += VW) vstoreu(out + k, vmul(vint8(q + k), vs));
+    } else if (k % 8 == 0) {
+      for (; k + VW <= k1; k += VW) vstoreu(out + k, vmul(vsub(vint4(q + k / 2), vz), vs));
+    }
+#endif
+    for (; k < k1; ++k) out[k] = (qvalue(kind, q, k) - zf) * sc;
+  }
+}
+
+// sums [MR][QNB] of rows x[r] (stride ldx) against the QNB dequantized rows w [QNB, K]
+template <int MR>
+inline void qdot(const float* x, int64_t ldx, const float* w, int64_t K, float (&out)[QMR][QNB]) {
+  int64_t k = 0;
+#ifdef ADAPT_VW
+  vf acc[MR][QNB];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < QNB; ++j) acc[r][j] = vzero();
+  for (; k + VW <= K; k += VW) {
+    vf wv[QNB];
+    for (int j = 0; j < QNB; ++j) wv[j] = vloadu(w + j * K + k);
+    for (int r = 0; r < MR; ++r) {
+      const vf xv = vloadu(x + r * ldx + k);
+      for (int j = 0; j < QNB; ++j) acc[r][j] = vfma(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < QNB; ++j) out[r][j] = vsum(acc[r][j]);
+#else
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < QNB; ++j) out[r][j] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < QNB; ++j) out[r][j] += x[r * ldx + k] * w[j * K + k];
+}
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> zero,
+                           int64_t kind, int64_t RB, int64_t BK, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scale.dim() == 2 && kind >= 0 && kind <= 2 && RB > 0 && BK > 0,
+              "quant_linear: x [M, K], q [N, Kq], scale [ceil(N / RB), ceil(K / BK)], kind 0..2");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = (K + BK - 1) / BK;
+  TORCH_CHECK(q.is_contiguous() && q.element_size() == 1 && (kind == 2 ? q.size(1) * 2 >= K : q.size(1) == K),
+              "quant_linear: q must be contiguous bytes [N, K] (int4: [N, >= K / 2])");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == (N + RB - 1) / RB &&
+                  scale.size(1) == G,
+              "quant_linear: scale must be contiguous float32 [ceil(N / RB), ceil(K / BK)]");
+  const int8_t* zp = nullptr;
+  if (zero.has_value() && zero->defined()) {
+    TORCH_CHECK(kind == 2 && zero->scalar_type() == at::kChar && zero->is_contiguous() && zero->size(0) == N &&
+                    zero->size(1) == G,
+                "quant_linear: zero points are int8 [N, ceil(K / BK)], int4 only");
+    zp = zero->data_ptr<int8_t>();
+  }
+  torch::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "quant_linear: a bias of N values");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const auto xf = x.to(at::kFloat).contiguous();
+  const float* X = xf.data_ptr<float>();
+  const uint8_t* Q = static_cast<const uint8_t*>(q.data_ptr());
+  const float* S = scale.data_ptr<float>();
+  const int64_t ldq = q.size(1);
+  // rows of x per pass over the weight: ~256 KB of them (L2), a multiple of QMR
+  const int64_t MC = std::max<int64_t>(QMR, ((256 << 10) / (4 * std::max<int64_t>(K, 1))) / QMR * QMR);
+  const int64_t blocks = (N + QNB - 1) / QNB;
+  float_bf16_or_half(x, "quant_linear", [&](auto tag) {
+    using T = decltype(tag);
+    T* Y = y.data_ptr<T>();
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> wbuf(QNB * K);
+      float* w = wbuf.data();
+      for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = std::min(MC, M - m0);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n0 = b * QNB, nr = std::min<int64_t>(QNB, N - n0);
+          for (int j = 0; j < QNB; ++j) {
+            if (j < nr) {
+              const int64_t n = n0 + j;
+              dequant_row(static_cast<int>(kind), Q + n * ldq, S + (n / RB) * G, zp ? zp + n * G : nullptr, K, BK,
+                          w + j * K);
+            } else {
+              std::fill(w + j * K, w + (j + 1) * K, 0.f);
+            }
+          }
+          for (int64_t r0 = 0; r0 < mc; r0 += QMR) {
+            const int64_t mr = std::min<int64_t>(QMR, mc - r0);
+            float sums[QMR][QNB];
+            const float* xr = X + (m0 + r0) * K;
+            with_rows<QMR>(mr, [&](auto rows) { qdot<decltype(rows)::value>(xr, K, w, K, sums); });
+            for (int64_t r = 0; r < mr; ++r) {
+              T* yr = Y + (m0 + r0 + r) * N;
+              for (int64_t j = 0; j < nr; ++j) yr[n0 + j] = from_f32<T>(sums[r][j] + (bp ? bp[n0 + j] : 0.f));
+            }
+          }
+        }
+      }
+    });
+  });
+  return y;
+}
+
+}  // namespace adapt_cpu

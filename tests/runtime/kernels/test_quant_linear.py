@@ -1,0 +1,60 @@
+"""The fused quantized linear (csrc/quant_gemm.h) against its twin (dequantize, then F.linear)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapt.quantize import pack_int4, quantize_fp8_blocks, quantize_int4_groups, quantize_int8_channel
+from adapt.runtime.kernels.quant_linear import dequantize, quant_linear, quant_linear_ref, unpack_int4
+
+
+def _weights(kind, n, k, g):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen) * 0.5
+    if kind == "fp8":
+        q, s = quantize_fp8_blocks(w, (g, g))
+        return q, s, None, g, g
+    if kind == "int8":
+        q, s = quantize_int8_channel(w)
+        return q, s, None, 1, k
+    q, s, z = quantize_int4_groups(w, g, symmetric=(g % 32 == 0))
+    zero = None if z is None else z
+    return pack_int4(q).view(torch.uint8), s, zero, 1, g
+
+
+@pytest.mark.parametrize("kind,g", [("fp8", 128), ("fp8", 16), ("int8", 0), ("int4", 32), ("int4", 16), ("int4", 24),
+                                    ("int4", 20)])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (5, 37, 200), (19, 130, 96)])
+def test_fused_matches_twin_float32(kernel_form, kind, g, m, n, k):
+    q, s, z, rb, bk = _weights(kind, n, k, g)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n)
+    ref = quant_linear_ref(x, kind, q, s, z, rb, bk, k, bias)
+    got = quant_linear(x, kind, q, s, z, rb, bk, k, bias)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8", "int4"])
+def test_fused_bfloat16_rounds_once(kernel_form, kind):
+    n, k = 96, 256
+    q, s, z, rb, bk = _weights(kind, n, k, 32 if kind != "fp8" else 128)
+    x = torch.randn(7, k).to(torch.bfloat16)
+    exact = quant_linear_ref(x.float(), kind, q, s, z, rb, bk, k)  # float32 sums of the same values
+    got = quant_linear(x, kind, q, s, z, rb, bk, k)
+    plain = quant_linear_ref(x, kind, q, s, z, rb, bk, k)  # torch in bfloat16
+    assert got.dtype == torch.bfloat16
+    # FlashAttention's rule: no worse than twice plain torch's error in the same precision
+    assert (got.float() - exact).abs().max() <= 2 * (plain.float() - exact).abs().max() + 1e-6
+
+
+def test_dequantize_formulas():
+    w = torch.randn(40, 72)
+    q, s = quantize_fp8_blocks(w, (16, 32))
+    d = dequantize("fp8", q, s, None, 16, 32, 72)
+    assert (d - w).abs().max() <= w.abs().max() * 2 ** -3  # e4m3: 3 mantissa bits
+    qi, si, zi = quantize_int4_groups(w, 24, symmetric=False)
+    assert torch.equal(unpack_int4(pack_int4(qi).view(torch.uint8), 72), qi)
+    d4 = dequantize("int4", pack_int4(qi).view(torch.uint8), si, zi, 1, 24, 72)
+    assert (d4 - w).abs().max() <= si.max() * 0.5 + 1e-6
