@@ -9,18 +9,18 @@ from adapt.errors import RuntimeConfigError
 from adapt.runtime.engine import Engine
 from adapt.runtime.parallel import SINGLE, ParallelContext
 from adapt.runtime.sampling import SamplingParams
-from adapt.runtime.vision.processor import expand_placeholders, split_images
+from adapt.runtime.vision.processor import expand_placeholders, preprocess, split_images
 
 
 def preprocess_images(eng: Engine, sources: list[str], allow_remote: bool = False) -> list:
     """Each image source loaded (vision/inputs.py) and preprocessed by the checkpoint's processor."""
     if not sources:
         return []
-    from adapt.runtime.vision.inputs import ImageLimits, load_image
+    from adapt.runtime.vision.inputs import ImageLimits
 
     proc = eng.image_processor()
     limits = ImageLimits(allow_remote=allow_remote)
-    return [proc(load_image(src, limits)) for src in sources]
+    return [preprocess(proc, src, limits) for src in sources]
 
 
 def run_generation(model: str | Path, prompts: list[str] | None = None, prompt_ids: list[list[int]] | None = None,

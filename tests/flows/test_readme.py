@@ -110,6 +110,14 @@ def _chat_stream(r: Result) -> None:
     assert all(json.loads(e)["object"] == "chat.completion.chunk" for e in events[:-1])
 
 
+def _image_chat(r: Result) -> None:
+    """A chat completion whose prompt holds the photo's image tokens (more than the text alone)."""
+    def check(d: dict) -> None:
+        assert d["object"] == "chat.completion" and d["choices"][0]["message"]["content"] is not None, d
+        assert d["usage"]["completion_tokens"] == 8 and d["usage"]["prompt_tokens"] > 30, d["usage"]
+    _json(check)(r)
+
+
 def _assert(cond: bool, what: object) -> None:
     assert cond, what
 
@@ -189,6 +197,10 @@ RULES: list[Rule] = [
     Rule(r"^curl -s localhost:8000/v1/chat/completions .*\"stream\": true", _chat_stream),
     Rule(r"^curl -s localhost:8000/metrics \| grep adapt:time_to_first_token$",
          _ok("# HELP adapt:time_to_first_token_seconds", "adapt:time_to_first_token_seconds_count")),
+    Rule(r"^adapt serve tiny-qwen2\.5-vl --port 8000 --allow-remote-images --limit-images-per-prompt 2 "
+         r"--image-fetch-timeout 5$", _ok(), background=True, subst={"--port 8000": "--port 0"}),
+    Rule(r"^jq -n --arg url \"data:image/png;base64,\$\(base64 < photo\.png .*\| curl -s "
+         r"localhost:8000/v1/chat/completions -d @-$", _image_chat, needs=("photo.png",)),
     # adapt validate
     Rule(r"^adapt validate dump \./ref-model --out golden/$", _ok(files=("golden",)), needs=("ref-model",)),
     Rule(r"^adapt validate \./shard-out --reference golden/ --out report/$", _ok(files=("report/report.html",)),
