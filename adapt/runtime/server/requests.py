@@ -71,6 +71,11 @@ def validate(model: type[BaseModel], body: Any) -> BaseModel:
 def _first_error(e: ValidationError, body: dict) -> APIError:
     errs = e.errors(include_url=False)
     first = errs[0]
+    # a union reports each alternative; the one that reaches deepest into what the client sent names the field
+    # best (content sent as a list: its part's missing "url", not "content is not a string")
+    base = path_keys(body, first["loc"])
+    inside = [x for x in errs if path_keys(body, x["loc"])[:len(base)] == base]
+    first = max(inside, key=lambda x: len(path_keys(body, x["loc"])))
     path = _path(body, first["loc"])
     same = [x for x in errs if _path(body, x["loc"]) == path]  # a union reports one error per alternative
     kind = first["type"]
@@ -90,9 +95,15 @@ def _msg(err: dict) -> str:
 
 
 def path_keys(body: Any, loc: tuple) -> list:
-    """The leading part of a pydantic error location that exists in the body (drops union tags)."""
-    keys, cur = [], body
-    for k in loc:
+    """The leading part of a pydantic error location that exists in the body (drops union tags: a member's
+    name such as ``str`` or ``list[...]``, a tagged union's ``type`` value)."""
+    keys, cur, tagged = [], body, None
+    for i, k in enumerate(loc):
+        if isinstance(cur, dict) and cur is not tagged and cur.get("type") == k and i + 1 < len(loc):
+            tagged = cur
+            continue  # the tag of a discriminated union, then the member's own field
+        if isinstance(k, str) and not isinstance(cur, dict):
+            continue  # the name of a union member (``str``, ``list[...]``)
         if isinstance(cur, dict) and isinstance(k, str) and k in cur:
             cur = cur[k]
         elif isinstance(cur, list) and isinstance(k, int) and 0 <= k < len(cur):

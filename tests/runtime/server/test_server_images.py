@@ -210,6 +210,20 @@ def test_bad_images_are_400_and_the_server_keeps_serving(served, case):
     assert r.choices[0].model_extra["token_ids"] == want[SIZES[0]][1]
 
 
+@pytest.mark.parametrize("part,param,code", [
+    ({"type": "image_url", "image_url": {"uri": "x"}}, "messages[0].content[0].image_url.url", "missing_field"),
+    ({"type": "image_url", "image_url": {"url": 5}}, "messages[0].content[0].image_url.url", "invalid_type"),
+    ({"type": "image_url"}, "messages[0].content[0].image_url", "missing_field"),
+    ({"type": "image", "image": "x"}, "messages[0].content[0]", "invalid_type"),
+    ({"type": "image_url", "image_url": {"url": "x", "detail": "max"}}, "messages[0].content[0].image_url.detail",
+     "invalid_type"),
+])
+def test_malformed_image_parts_name_the_field(served, part, param, code):
+    kind, srv, want, _ = served
+    status, body = Client(srv.url).post("/v1/chat/completions", {"messages": [{"role": "user", "content": [part]}]})
+    assert status == 400 and body["error"]["param"] == param and body["error"]["code"] == code, body
+
+
 def test_the_openai_client_raises_bad_request_for_a_bad_image(served):
     kind, srv, want, _ = served
     with pytest.raises(openai.BadRequestError) as e:
