@@ -136,6 +136,19 @@ def _endpoint_report(r: Result) -> None:
     assert doc["environment"]["endpoint"]["served_model_name"] == "ref-model"
 
 
+def _endpoint_golden(r: Result) -> None:
+    _ok("wrote golden-ep/golden.json", files=("golden-ep/golden.json",))(r)
+    ep = json.loads((r.cwd / "golden-ep/golden.json").read_text())["endpoint"]
+    assert ep["v1_models"]["data"][0]["id"] == "ref-model" and ep["token_ids"] == ["server (return_token_ids)"], ep
+
+
+def _endpoint_golden_report(r: Result) -> None:
+    _ok(files=("report-ep/report.json",))(r)
+    doc = json.loads((r.cwd / "report-ep/report.json").read_text())
+    st = {it["id"]: it["status"] for it in doc["items"]}
+    assert st["greedy_token_match"] == st["top1_agreement"] == "pass" and st["prefill_logits"] == "skip", st
+
+
 def _bench_json(d: dict, n: int) -> None:
     assert d["completed"] == n and d["failed"] == 0 and d["errors"] == {}, d
     for k in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
@@ -224,6 +237,9 @@ RULES: list[Rule] = [
          subst={"--port 8000": "--port 0"}),
     Rule(r"^adapt validate --endpoint http://localhost:8000 --reference \./ref-model --out report/$",
          _endpoint_report),
+    Rule(r"^adapt validate dump --endpoint http://localhost:8000 \./ref-model --out golden-ep/$",
+         _endpoint_golden),
+    Rule(r"^adapt validate \./ref-model --reference golden-ep/ --out report-ep/$", _endpoint_golden_report),
     # adapt bench serve
     Rule(r"^adapt bench serve --endpoint http://localhost:8000 --requests 16 --concurrency 4 --input-len 32 "
          r"--output-len 8 --format json$", _json(lambda d: _bench_json(d, 16))),
