@@ -164,7 +164,29 @@ def test_concurrent_image_and_text_requests(served):
     assert got == [want[k][1] for k in keys]
 
 
+def _bomb() -> bytes:
+    from PIL import Image
+
+    data = _png(Image.new("1", (9000, 8000)))
+    assert len(data) < MAX_IMAGE_BYTES
+    return data
+
+
+def _zero_width_png() -> bytes:
+    """A 1x1 PNG whose header says 0 pixels wide (CRC fixed, so only the size is wrong)."""
+    import struct
+    import zlib
+
+    d = bytearray(_png(make_image(1, 1)))
+    ihdr = bytearray(d[16:29])
+    ihdr[0:4] = struct.pack(">I", 0)
+    d[16:29], d[29:33] = ihdr, struct.pack(">I", zlib.crc32(b"IHDR" + bytes(ihdr)))
+    return bytes(d)
+
+
 def _bad_cases(kind):
+    from PIL import Image
+
     noise = make_image(90, 90, seed=7)
     big = _png(noise)
     assert len(big) > MAX_IMAGE_BYTES and 90 * 90 <= MAX_IMAGE_PIXELS
@@ -177,7 +199,9 @@ def _bad_cases(kind):
                                    "invalid_image_format"),
         "bad_base64": (img("data:image/png;base64,@@@@"), "invalid_image_url"),
         "too_many_bytes": (img(_url(big)), "image_too_large"),
-        "too_many_pixels": (img(_url(_png(make_image(120, 120)))), "image_too_large"),
+        "too_many_pixels": (img(_url(_png(Image.new("RGB", (120, 120), (9, 9, 9))))), "image_too_large"),
+        "decompression_bomb": (img(_url(_bomb())), "image_too_large"),  # 72M pixels in 9 kB: refused from the header
+        "zero_width": (img(_url(_zero_width_png())), "invalid_image"),
         "file_path": (img("/etc/hostname"), "invalid_image_url"),
         "remote_off": (img("http://127.0.0.1:9/a.png"), "remote_images_disabled"),
         "too_many_images": (_messages([_url(good)] * 3), "too_many_images"),
@@ -206,6 +230,8 @@ def test_bad_images_are_400_and_the_server_keeps_serving(served, case):
     _assert_openai_400(status, body, code)
     if case != "system_image":
         assert body["error"]["param"].startswith("messages[0].content["), body
+    if case in ("too_many_pixels", "decompression_bomb"):
+        assert "pixels is over the limit" in body["error"]["message"], body
     r = _chat(_client(srv), _messages([_url(_png(make_image(*SIZES[0], seed=0)))]))
     assert r.choices[0].model_extra["token_ids"] == want[SIZES[0]][1]
 
