@@ -2,7 +2,7 @@
 
 Served tiny llava-1.5 and Qwen2.5-VL (transformers' random models, tests/runtime/vision/vlm.py) through the
 official openai client give exactly the greedy tokens of ``adapt run --image --chat`` (run_generation, the
-CLI's core) on the same image, for several sizes incl. non-square, alone and concurrently with text
+CLI's core, and the CLI itself) on the same image, for several sizes incl. non-square, alone and concurrently with text
 requests; the tower runs once per request (n = 2 included). Every bad image is a 400 in OpenAI's error
 shape naming the part, and the server answers the next request: not an image, corrupt bytes, unsupported
 media type, too many bytes, too many pixels, a file path, a remote URL while remote images are off, and,
@@ -31,6 +31,7 @@ SIZES = [(30, 30), (45, 20), (20, 50), (64, 33)]
 N = 6  # greedy tokens per request
 MAX_IMAGE_BYTES = 16 << 10
 MAX_IMAGE_PIXELS = 100 * 100
+_PATHS: dict = {}  # kind -> the served checkpoint
 
 
 def _png(im) -> bytes:
@@ -75,6 +76,7 @@ def served(request, tmp_path_factory):
 
     kind = request.param
     _, path = save_vlm(kind, tmp_path_factory.mktemp("srv-" + kind) / "model")
+    _PATHS[kind] = path
     eng = _engine(path)
     want = {}
     for i, (w, h) in enumerate(SIZES):
@@ -94,6 +96,24 @@ def served(request, tmp_path_factory):
     srv = start_server(eng, config=cfg)
     yield kind, srv, want, counter
     srv.stop()
+
+
+def test_the_cli_adapt_run_image_gives_the_served_tokens(served, capsys):
+    """The literal CLI (its own engine loaded from disk) on a non-square image equals the served answer."""
+    import json
+
+    from adapt.cli.main import main
+
+    kind, srv, want, _ = served
+    url = _url(_png(make_image(*SIZES[1], seed=1)))
+    try:
+        main(["run", str(_PATHS[kind]), "--image", url, "--prompt", "What is it?", "--chat", "-n", str(N),
+              "--ignore-eos", "--format", "json"])
+    except SystemExit as e:
+        assert not e.code, capsys.readouterr().err
+    cli = json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
+    r = _chat(_client(srv), _messages([url]))
+    assert cli == r.choices[0].model_extra["token_ids"] == want[SIZES[1]][1]
 
 
 def _client(srv):
