@@ -185,11 +185,19 @@ def endpoint_image(params: Mapping[str, Any], thresholds: Mapping[str, float], c
     return through_the_api(params, thresholds, ctx, _runner(ctx), _judged)
 
 
+@register_check("serving_load")
+def serving_load(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
+    """Latency percentiles and throughput per concurrency level (checks/endpoint_load.py)."""
+    from adapt.validate.checks.endpoint_load import endpoint_load
+
+    return endpoint_load(params, thresholds, ctx, _runner(ctx), _judged)
+
+
 def endpoint_registry() -> dict[str, Callable]:
     """kind -> check for an endpoint target (see the module docstring)."""
     from adapt.validate.checks.endpoint_ladder import endpoint_long_context
 
     reg: dict[str, Callable] = {k: _skipper(f"{SKIP_REASONS.get(k, 'needs the weights')}") for k in _REGISTRY}
     reg.update({"end_to_end": end_to_end, "chat_template": chat_template, "batch_invariance": batch_invariance,
-                "service": endpoint_service, "long_context": endpoint_long_context, "image_path": endpoint_image})
+                "service": endpoint_service, "long_context": endpoint_long_context, "serving_load": serving_load, "image_path": endpoint_image})
     return {k: _guard(v) for k, v in reg.items()}
