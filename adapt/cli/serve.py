@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from adapt.cli.options import DeviceOpt, DtypeOpt, PrepackOpt
+from adapt.cli.options import KERNELS_HELP, DeviceOpt, DtypeOpt, PrepackOpt
 from adapt.errors import RuntimeConfigError
 from adapt.cli.output import err_console, note_cpu_kernel_build
 
@@ -19,7 +19,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="0 picks a free port.")] = 8000,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
-    kernels: Annotated[str, typer.Option("--kernels", help="adapt | reference (the plain-torch twins).")] = "adapt",
+    kernels: Annotated[str, typer.Option("--kernels", help=KERNELS_HELP)] = "auto",
     kv_cache_memory: Annotated[Optional[str], typer.Option("--kv-cache-memory", help="KV cache budget: bytes "
                                "(2GiB, 512MiB) or a fraction of free memory (0.5).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | int8")] = "auto",

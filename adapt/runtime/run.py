@@ -26,7 +26,7 @@ def preprocess_images(eng: Engine, sources: list[str], allow_remote: bool = Fals
 def run_generation(model: str | Path, prompts: list[str] | None = None, prompt_ids: list[list[int]] | None = None,
                    *, chat: bool = False, max_tokens: int = 32, temperature: float = 0.0, top_k: int | None = None,
                    top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-                   ignore_eos: bool = False, device: str = "cpu", dtype: str = "float32", kernels: str = "adapt",
+                   ignore_eos: bool = False, device: str = "cpu", dtype: str = "float32", kernels: str = "auto",
                    kv_cache_memory: str | None = None, kv_cache_dtype: str = "auto", prepack: str = "auto",
                    ctx: ParallelContext = SINGLE, engine: Engine | None = None, images: list[str] | None = None,
                    allow_remote_images: bool = False) -> dict:
@@ -68,7 +68,7 @@ def run_generation(model: str | Path, prompts: list[str] | None = None, prompt_i
                             stop=tuple(stop or ()), ignore_eos=ignore_eos)
     results = eng.generate(ids, params, images=per_prompt)
     stats = dict(eng.last_stats, model=str(eng.path), model_type=eng.spec.model_type, device=str(eng.device),
-                 dtype=str(eng.dtype).replace("torch.", ""), kernels=eng.kernels.impl, load_s=round(load_s, 4),
+                 dtype=str(eng.dtype).replace("torch.", ""), load_s=round(load_s, 4),
                  num_prompts=len(ids))
     outputs = [{"prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids, "text": r.text,
                 "finish_reason": r.finish_reason} for r in results]
