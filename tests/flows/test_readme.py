@@ -76,6 +76,12 @@ def _no_cuda() -> str | None:
     return None if torch.cuda.is_available() else "needs a CUDA device"
 
 
+def _no_triton() -> str | None:
+    import importlib.util
+
+    return None if importlib.util.find_spec("triton") else "triton is not installed"
+
+
 def _shard(ranks: int, out: str) -> Callable[[Result], None]:
     def check(r: Result) -> None:
         _ok(files=(f"{out}/manifest.json",))(r)
@@ -197,6 +203,13 @@ RULES: list[Rule] = [
          _json(lambda d: _assert(d["decode_tokens"] > 0 and d["prefill_tokens"] == 5, d))),
     Rule(r"^adapt run \./my-model --prompt \"Write a poem\" --chat ", lambda r: _tokens(r), needs=("my-model",)),
     Rule(r"^adapt run \./shards .*--device cuda", _ok(), skip=_no_cuda),
+    Rule(r"^adapt ops tiny-k2 --device cuda --format json \| jq \.ops$",
+         _json(lambda d: _assert(len(d) >= 8 and all(o["impl"] for o in d)
+                                 and {o["impl"] for o in d} <= {"triton", "torch"}, d))),
+    Rule(r"^adapt ops tiny-k2 --device cpu$", _ok("mla_decode", "C++ fused", "cpu")),
+    Rule(r"^TRITON_INTERPRET=1 adapt run tiny-llama --prompt-ids 1,2,3 --kernels triton --dtype float32 ",
+         _json(lambda d: _assert(d["requested"] == "triton" and d["ops"]["paged_decode_attention"] == "triton", d)),
+         skip=_no_triton),
     Rule(r"^adapt init-model tiny-qwen2\.5-vl \./tiny-vl$", _ok(files=("tiny-vl/preprocessor_config.json",))),
     Rule(r"^adapt run \./tiny-vl --image photo\.png --prompt \"What is in the picture\?\" --chat --max-tokens 8$",
          lambda r: _tokens(r), needs=("photo.png",)),

@@ -27,13 +27,16 @@ MODULES = {
 }
 assert tuple(MODULES) == OPS
 
-# the ops whose function calls the fused C++ kernel on CPU tensors, or reads a layout only the CPU packs
+# the ops whose function calls the fused C++ kernel on CPU tensors (itself or through another kernel), or reads a
+# layout only the CPU packs
 CPU_FORMS = {
     "paged_decode_attention": "C++ fused", "write_kv_cache": "C++ fused", "rms_norm": "C++ fused",
     "fused_add_rms_norm": "C++ fused", "apply_rope": "C++ fused (AVX2 / AVX-512 builds)",
     "silu_and_mul": "C++ fused (AVX2 / AVX-512 builds)", "softmax_topk": "C++ fused top-k",
     "router_softmax_topk": "C++ fused GEMM + top-k on router panels",
-    "moe_experts_fused": "stacked experts, timed tactics, C++ SiLU / scatter",
+    "mla_decode": "absorbed, C++ paged decode over the latent",
+    "moe_experts": "stacked experts, C++ gather / combine",
+    "moe_experts_fused": "C++ tiled / oneDNN packed / stacked experts (timed at load)",
     "moe_experts_packed": "oneDNN packed experts", "moe_experts_tiled": "C++ tiled GEMM (AMX / AVX512-BF16 / FMA)",
     "linear_tiled": "C++ FMA GEMM on column panels",
 }

@@ -17,7 +17,7 @@ def test_auto_on_cpu_takes_the_cpp_kernels_and_falls_back_op_by_op():
 
 def test_a_named_backend_takes_its_ops_and_the_rest_from_torch():
     c = choose("cpu", "cpu", torch.bfloat16)
-    assert c["fused_add_rms_norm"].backend == "cpu" and c["mla_decode"].backend == "torch"
+    assert c["fused_add_rms_norm"].backend == "cpu" and c["mla_prefill"].backend == "torch"
     assert {x.backend for x in choose("torch", "cpu", torch.float32).values()} == {"torch"}
     assert not any(x.fallback for x in choose("torch", "cpu", torch.float32).values())
     assert {x.backend for x in choose("reference", "cuda", torch.float32).values()} == {"reference"}
