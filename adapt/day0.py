@@ -1,4 +1,4 @@
-"""``adapt day0 [MODEL] --out DIR``: profile -> plan -> shard -> run -> validate -> report, in one directory.
+"""``adapt day0 [MODEL] --out DIR``: profile -> ops -> plan -> shard -> run -> validate -> report, in one directory.
 
 Each stage is the stage's own command (``python -m adapt <stage> ...``, the same spelling a user types),
 run as a child process with its output in ``DIR/logs/<stage>.log``, so a stage is exactly what the user
@@ -9,8 +9,8 @@ reason, never faked. With no MODEL the built-in tiny-k2 is written first (``adap
 
 ``DIR`` afterwards::
 
-    model/ (when built in)  profile.json  plan.yaml  plan.json  shard/  run.json  validate/  logs/
-    day0.json (the stage records)  day0.md (the same as a table)
+    model/ (when built in)  profile.json  ops.json  plan.yaml  plan.json  shard/  run.json  validate/  logs/
+    day0.json (the stage records)  day0.md (the same as a table, then the operator-mapping table of ops.json)
 """
 
 from __future__ import annotations
@@ -157,6 +157,8 @@ def day0(model: str | None, out: str | Path, log: Callable[[str], None] = print,
     kind, count = devices_present()
     dev = device or ("cpu" if kind == "cpu" else kind)
     c.cli("profile", ["profile", model, "--format", "json", "--out", str(out / "profile.json")], [out / "profile.json"])
+    c.cli("ops", ["ops", model, "--device", dev, "--dtype", dtype, "--format", "json", "--out", str(out / "ops.json")],
+          [out / "ops.json"])  # which kernel runs each op on this device (the operator-mapping table)
     plan_yaml, plan_json = out / "plan.yaml", out / "plan.json"
     p = c.cli("plan", ["plan", model, "--devices-per-node", str(count), "--nodes", "1", "--format", "json",
                        "--out", str(plan_yaml)], [plan_yaml], stdout_to=plan_json)
@@ -217,8 +219,14 @@ def render_markdown(res: Day0Result) -> str:
     for s in res.stages:
         note = s.message.replace("|", "\\|")
         rows.append(f"| {s.name} | {s.status} | {s.seconds:.2f} | {', '.join(s.artifacts)} | {note} |")
-    return (f"# adapt day0\n\nexit code {res.exit_code}, {res.seconds:.1f}s; validation report: "
+    text = (f"# adapt day0\n\nexit code {res.exit_code}, {res.seconds:.1f}s; validation report: "
             f"validate/report.html\n\n" + "\n".join(rows) + "\n")
+    ops = res.out / "ops.json"
+    if ops.is_file():  # the ops stage's table (adapt ops), as markdown
+        from adapt.runtime.backends.table import to_markdown
+
+        text += "\n## Operator mapping\n\n" + to_markdown(json.loads(ops.read_text()))
+    return text
 
 
 def _finish(c: _Chain, t_all: float, vexit: int | None) -> Day0Result:

@@ -60,4 +60,9 @@ class SignatureError(ValidationInputError):
 
 
 class ImageInputError(AdaptError):
-    """An image a user passed cannot be used: unreadable, not an image, truncated, too large, too many."""
+    """An image a user passed cannot be used: unreadable, not an image, truncated, too large, too many.
+    ``code`` names the case for an API error body (adapt serve's 400s)."""
+
+    def __init__(self, message: str, code: str = "invalid_image"):
+        super().__init__(message)
+        self.code = code

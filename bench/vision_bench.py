@@ -2,9 +2,9 @@
 prefill with the image (encoder + projector + language model), float32 and bfloat16, for a llava-1.5-shaped and
 a Qwen2.5-VL-shaped model of a few tens of millions of parameters built here (random weights, save_pretrained).
 
-Prints one JSON document: per model and dtype, median milliseconds of adapt and transformers and their ratio
-(transformers / adapt: above 1 is adapt faster), after a warm-up. The host is whatever runs it: on a shared
-machine say so next to the figures.
+Prints one JSON document: per model and dtype, median milliseconds of adapt and transformers and the median of
+their per-pair ratios (transformers / adapt: above 1 is adapt faster), after a warm-up, the two timed alternately.
+The host is whatever runs it: on a shared machine say so next to the figures.
 
     python bench/vision_bench.py [--dtypes float32,bfloat16] [--repeats 7]
 """
@@ -61,14 +61,18 @@ def _image():
     return Image.fromarray(rng.integers(0, 255, size=(360, 480, 3)).astype("uint8"), "RGB")
 
 
-def _median_ms(fn, repeats):
-    fn()
-    ts = []
+def _paired_ms(ours, ref, repeats) -> dict:
+    """Both warmed up, then timed alternately (ours, ref, ours, ...) so a load that drifts on a shared host
+    slows both alike: median ms of each and the median of the per-pair ratios (ref / ours)."""
+    ours(), ref()
+    a, r = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+        for fn, ts in ((ours, a), (ref, r)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return {"adapt": round(statistics.median(a) * 1e3, 2), "transformers": round(statistics.median(r) * 1e3, 2),
+            "ratio": round(statistics.median(y / x for x, y in zip(a, r)), 3)}
 
 
 def bench(kind, dtypes, repeats):
@@ -106,14 +110,11 @@ def bench(kind, dtypes, repeats):
                 with torch.inference_mode():
                     eng.model.encode_images([pre], eng.kernels)
 
-            a_enc, r_enc = _median_ms(our_encoder, repeats), _median_ms(ref_encoder, repeats)
-            a_pre = _median_ms(lambda: eng.prefill(ids, images=[pre], last_only=True), repeats)  # = logits_to_keep=1
-            r_pre = _median_ms(ref_prefill, repeats)
             out[dt] = {"image_tokens": pre.num_tokens, "prompt_tokens": len(ids),
-                       "encoder_ms": {"adapt": round(a_enc, 2), "transformers": round(r_enc, 2),
-                                      "ratio": round(r_enc / a_enc, 3)},
-                       "prefill_ms": {"adapt": round(a_pre, 2), "transformers": round(r_pre, 2),
-                                      "ratio": round(r_pre / a_pre, 3)}}
+                       "encoder_ms": _paired_ms(our_encoder, ref_encoder, repeats),
+                       # last_only: the last position's logits, as transformers' logits_to_keep=1
+                       "prefill_ms": _paired_ms(lambda: eng.prefill(ids, images=[pre], last_only=True), ref_prefill,
+                                                repeats)}
             model = ref.float()
     return out
 

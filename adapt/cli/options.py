@@ -15,6 +15,8 @@ FormatOpt = Annotated[str, typer.Option("--format", "-f", help="Output format.")
 OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the output to this file.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="Any torch device string: cpu, cuda, npu, xpu, ...")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")]
+KERNELS_HELP = ("auto (each op from the best backend for the device and dtype) | cpu | triton | torch | reference "
+                "| a plugin backend's name (its ops; the rest from torch). `adapt ops MODEL` shows the mapping.")
 PrepackOpt = Annotated[str, typer.Option("--prepack", help="CPU: pack linear weights once for oneDNN. auto: every "
                        "dtype (float32 sums in another order, a few ulp); exact: only bfloat16 / float16 (bitwise "
                        "F.linear); off.")]

@@ -26,9 +26,9 @@ def emit(text: str, out: Path | None) -> None:
         sys.stdout.flush()
 
 
-def note_cpu_kernel_build(device: str, kernels: str = "adapt") -> None:
+def note_cpu_kernel_build(device: str, kernels: str = "auto") -> None:
     """One line on stderr when this run will first compile the fused CPU kernels for the host."""
-    if kernels != "adapt" or not str(device).startswith("cpu"):
+    if kernels not in ("auto", "adapt", "cpu") or not str(device).startswith("cpu"):
         return
     from adapt.runtime import cpu_kernels
 

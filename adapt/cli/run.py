@@ -9,7 +9,7 @@ import typer
 
 from adapt.cli.launch import (CollectiveStatsOpt, DistBackendOpt, DistTimeoutOpt, MicroBatchesOpt, NnodesOpt,
                               NodeRankOpt, NprocOpt, RdzvOpt, TorchrunArgOpt)
-from adapt.cli.options import DeviceOpt, DtypeOpt, FormatOpt, PrepackOpt
+from adapt.cli.options import KERNELS_HELP, DeviceOpt, DtypeOpt, FormatOpt, PrepackOpt
 from adapt.cli.output import check_choice, emit, err_console, note_cpu_kernel_build, to_json
 from adapt.errors import RuntimeConfigError
 
@@ -44,7 +44,7 @@ def run(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos")] = False,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
-    kernels: Annotated[str, typer.Option("--kernels", help="adapt | reference (the plain-torch twins).")] = "adapt",
+    kernels: Annotated[str, typer.Option("--kernels", help=KERNELS_HELP)] = "auto",
     kv_cache_memory: Annotated[Optional[str], typer.Option("--kv-cache-memory", help="KV cache budget: bytes "
                                "(2GiB, 512MiB) or a fraction of free memory (0.5).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | int8")] = "auto",

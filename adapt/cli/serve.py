@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from adapt.cli.options import DeviceOpt, DtypeOpt, PrepackOpt
+from adapt.cli.options import KERNELS_HELP, DeviceOpt, DtypeOpt, PrepackOpt
 from adapt.errors import RuntimeConfigError
 from adapt.cli.output import err_console, note_cpu_kernel_build
 
@@ -19,7 +19,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="0 picks a free port.")] = 8000,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
-    kernels: Annotated[str, typer.Option("--kernels", help="adapt | reference (the plain-torch twins).")] = "adapt",
+    kernels: Annotated[str, typer.Option("--kernels", help=KERNELS_HELP)] = "auto",
     kv_cache_memory: Annotated[Optional[str], typer.Option("--kv-cache-memory", help="KV cache budget: bytes "
                                "(2GiB, 512MiB) or a fraction of free memory (0.5).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto | int8")] = "auto",
@@ -58,6 +58,16 @@ def serve(
                              "served greedy tokens equal the recorded ones.")] = None,
     health_golden_interval: Annotated[float, typer.Option("--health-golden-interval", min=1.0, help="Seconds "
                                       "a golden answer is reused before the prompts are replayed again.")] = 300.0,
+    allow_remote_images: Annotated[bool, typer.Option("--allow-remote-images", help="Let image_url parts be "
+                                   "http(s) URLs the server fetches (off: data: URLs only).")] = False,
+    limit_images_per_prompt: Annotated[int, typer.Option("--limit-images-per-prompt", min=1, help="Images one "
+                                       "chat request may hold.")] = 4,
+    max_image_bytes: Annotated[str, typer.Option("--max-image-bytes", help="Encoded size of one image (20MiB); "
+                               "a data: URL is also bounded by --max-request-bytes.")] = "20MiB",
+    max_image_pixels: Annotated[int, typer.Option("--max-image-pixels", min=1, help="Decoded width x height of "
+                                "one image, read from its header before decoding.")] = 64 << 20,
+    image_fetch_timeout: Annotated[float, typer.Option("--image-fetch-timeout", min=0.1, help="Seconds one "
+                                   "remote image's whole fetch may take.")] = 10.0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request on stderr.")] = False,
 ) -> None:
     """Serve MODEL over HTTP until Ctrl-C / SIGTERM; requests from all clients are batched together."""
@@ -68,6 +78,7 @@ def serve(
         raise RuntimeConfigError(f"--metrics-prefix must be adapt or vllm; got {metrics_prefix!r}")
     if metrics_auth and not api_key:
         raise RuntimeConfigError("--metrics-auth needs --api-key (or ADAPT_API_KEY)")
+    image_bytes = _bytes(max_image_bytes, "--max-image-bytes")
     note_cpu_kernel_build(device, kernels)
     engine = Engine.from_pretrained(model, device=device, dtype=dtype, kernels=kernels,
                                     kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
@@ -79,7 +90,10 @@ def serve(
     cfg = ServiceConfig(model_name=name, max_request_bytes=max_request_bytes, request_timeout_s=request_timeout,
                         max_pending=max_pending, max_connections=max_connections, backlog=backlog,
                         api_key=api_key or None, metrics_auth=metrics_auth, metrics_prefix=metrics_prefix,
-                        health_golden=health_golden, health_golden_interval_s=health_golden_interval)
+                        health_golden=health_golden, health_golden_interval_s=health_golden_interval,
+                        allow_remote_images=allow_remote_images, limit_images_per_prompt=limit_images_per_prompt,
+                        max_image_bytes=image_bytes,
+                        max_image_pixels=max_image_pixels, image_fetch_timeout_s=image_fetch_timeout)
 
     def ready(srv) -> None:
         if host not in ("127.0.0.1", "::1", "localhost") and not api_key:
@@ -89,6 +103,15 @@ def serve(
 
     run_service(engine, host=host, port=port, config=cfg, on_ready=ready, verbose=verbose)
     err_console.print("stopped", highlight=False)
+
+
+def _bytes(text: str, flag: str) -> int:
+    from adapt.units import parse_bytes
+
+    n = parse_bytes(text)
+    if n is None:
+        raise RuntimeConfigError(f"{flag} takes a size like 20MiB or 5000000; got {text!r}")
+    return n
 
 
 def register(app: typer.Typer) -> None:

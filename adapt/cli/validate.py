@@ -128,7 +128,8 @@ def _lengths(text: str | None, option: str) -> list[int] | None:
 @validate_app.command("dump")
 def dump_cmd(
     model: Annotated[Path, typer.Argument(help="Reference HF checkpoint directory (with --dry-run also a "
-                                          "config.json or hub id).")],
+                                          "config.json or hub id; with --endpoint the model's config: a "
+                                          "checkpoint directory, config.json or hub id).")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Golden directory to write.")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 16,
     top_n: Annotated[int, typer.Option("--top-n", min=1, help="Logprobs kept per generated token.")] = 20,
@@ -147,13 +148,35 @@ def dump_cmd(
     read_bandwidth: Annotated[Optional[str], typer.Option("--read-bandwidth", help="--dry-run: bytes/s to "
                               "time the reads at (default: measured on the checkpoint's files).")] = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="text | json.")] = "text",
+    endpoint: Annotated[Optional[str], typer.Option("--endpoint", help="Record the golden from a running "
+                        "OpenAI-compatible server at URL (e.g. vLLM on the reference hardware) instead of "
+                        "transformers: prompts, greedy tokens, top-N logprobs.")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="ADAPT_API_KEY", help="Bearer key for "
+                       "--endpoint (default $ADAPT_API_KEY).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id to request "
+                                 "from --endpoint (default: the one /v1/models lists).")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds --endpoint may stay silent.")] = 60.0,
+    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="Tokenizer directory that maps "
+                         "--endpoint's token texts to ids where it sends none (default: MODEL's).")] = None,
 ) -> None:
-    """Dump the float32 CPU reference of MODEL (prompts, top-k logprobs, per-layer samples) into GOLDEN."""
+    """Dump the float32 CPU reference of MODEL (prompts, top-k logprobs, per-layer samples) into GOLDEN, or
+    record one from --endpoint URL."""
     from adapt.cli.output import check_choice, to_json
     from adapt.units import parse_bytes
     from adapt.validate.golden import DEFAULT_LONG, dump_golden
 
     check_choice(fmt, ("text", "json"), "--format")
+    if endpoint is not None:
+        if stream or memory_budget or dry_run or read_bandwidth:
+            raise typer.BadParameter("--stream, --memory-budget, --dry-run and --read-bandwidth run the reference "
+                                     "here; --endpoint records it from a server")
+        _dump_endpoint(endpoint, model, out, fmt, api_key=api_key, served_model_name=served_model_name,
+                       timeout=timeout, tokenizer_dir=tokenizer, max_new_tokens=max_new_tokens, top_n=top_n,
+                       long_lengths=_lengths(long_lengths, "--long-lengths"), long_budget_s=long_budget_s,
+                       prompt_lengths=_lengths(prompt_lengths, "--prompt-lengths"))
+        return
+    if api_key or served_model_name or tokenizer:
+        raise typer.BadParameter("--api-key, --served-model-name and --tokenizer go with --endpoint")
     if (memory_budget or dry_run or read_bandwidth) and not stream:
         raise typer.BadParameter("--memory-budget, --dry-run and --read-bandwidth go with --stream")
     budget = None
@@ -200,6 +223,25 @@ def dump_cmd(
                           f"weights {fmt_bytes(st['peak_weight_bytes'])}, peak RSS "
                           f"{fmt_bytes(st['rss']['peak_bytes'])} (baseline {fmt_bytes(st['rss']['baseline_bytes'])})",
                           markup=False, highlight=False)
+
+
+def _dump_endpoint(url: str, model: Path, out: Path | None, fmt: str, long_lengths, prompt_lengths, **kw) -> None:
+    from adapt.cli.output import to_json
+    from adapt.validate.golden import DEFAULT_LONG
+    from adapt.validate.golden_endpoint import dump_endpoint_golden
+
+    if out is None:
+        raise typer.BadParameter("--out is required (the golden directory to write)")
+    doc = dump_endpoint_golden(url, model, out, long_lengths=DEFAULT_LONG if long_lengths is None else long_lengths,
+                               **({"prompt_lengths": prompt_lengths} if prompt_lengths else {}), **kw)
+    ep = doc["endpoint"]
+    if fmt == "json":
+        typer.echo(to_json({k: doc[k] for k in ("model", "source", "endpoint", "prompts", "long_context")}))
+    err_console.print(f"wrote {out}/golden.json and tensors.safetensors from {ep['url']} ({ep['served_model_name']}): "
+                      f"{len(doc['prompts'])} prompts x {doc['generation']['max_new_tokens']} greedy tokens, top-"
+                      f"{doc['generation']['top_n']} logprobs; token ids from {', '.join(ep['token_ids'])}; prompt "
+                      f"logprobs from {ep['prompt_logprobs']}; long context {doc['long_context']['lengths']}",
+                      markup=False, highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -27,10 +27,10 @@ from adapt.runtime.cache.block_manager import BlockManager
 from adapt.runtime.cache.kv_pool import KVCacheSpec, KVPool, available_memory_bytes
 from adapt.runtime.host_memory import huge_pages_status, tune_malloc
 from adapt.runtime import cpu_kernels
-from adapt.runtime.kernels import get_kernels
 from adapt.plan import tensor_slice
+from adapt.runtime.backends import prepare_weights, select_kernels
 from adapt.runtime.loader import load_weights, materialize
-from adapt.runtime.models.layers import PACK_DTYPES_ALL, PACK_DTYPES_EXACT, can_prepack, linears_form, prepack_linears
+from adapt.runtime.models.layers import linears_form
 from adapt.runtime.models.moe import experts_form, routers_form
 from adapt.runtime.model_runner import ModelRunner, prefill_tiles
 from adapt.runtime.models.batch import ForwardBatch
@@ -136,12 +136,15 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                        kernels: str = "adapt", ctx: ParallelContext = SINGLE, kv_cache_memory: str | int | None = None,
+                        kernels: str = "auto", ctx: ParallelContext = SINGLE, kv_cache_memory: str | int | None = None,
                         kv_cache_dtype: str = "auto", block_size: int = 16, max_num_seqs: int = 256,
                         max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                         prepack: str = "auto", enable_prefix_caching: bool = False,
                         enable_chunked_prefill: bool = False, weights_dtype: str = "auto") -> "Engine":
         """Load a checkpoint dir, an ``adapt shard`` output dir or a built-in name for ``ctx``'s rank.
+
+        kernels: "auto" (each op from the best backend for the device and dtype), a backend's name ("cpu",
+        "triton", "torch", "reference" or a plugin's: its ops, the rest from "torch"); see adapt/runtime/backends/.
 
         kv_cache_memory: bytes, a size string ('2GiB') or a fraction of free memory ('0.5'); default 90% of
         free device memory (CPU: at most 512 MiB). kv_cache_dtype: 'auto' (the model dtype) or 'int8'.
@@ -161,17 +164,13 @@ class Engine:
         dev = resolve_device(device, tdtype)
         if dev.type == "cpu":
             tune_malloc()  # large temporaries reused, not page-faulted in again (host_memory.py)
-            if kernels == "adapt":
-                cpu_kernels.load()  # fused CPU kernels, built once per host (cpu_kernels.py)
         if kv_cache_dtype not in ("auto", "int8"):
             raise RuntimeConfigError(f"--kv-cache-dtype must be auto or int8; got {kv_cache_dtype!r}")
         pinned = os.environ.get(STRATEGY_ENV, "auto")
         if pinned not in ("auto",) + STRATEGIES:
             raise RuntimeConfigError(f"{STRATEGY_ENV} must be auto or one of {', '.join(STRATEGIES)}; got {pinned!r}")
-        k = get_kernels(kernels) if kernels in ("adapt", "reference") else None
-        if k is None:
-            raise RuntimeConfigError(f"--kernels must be adapt or reference; got {kernels!r}")
         wdt = check_weights_dtype(weights_dtype, tdtype)
+        k = select_kernels(kernels, dev, tdtype)  # the backends set up (the cpu one builds its C++ kernels)
         src = open_model(model, ctx)
         spec = src.spec
         layout = WeightLayout.from_spec(spec)
@@ -183,12 +182,11 @@ class Engine:
             def slice_of(t):
                 return None if ctx.plan is None or src.presliced else tensor_slice(t, ctx.plan, ctx.rank, spec)
 
-            prepare(net, spec, layout, slice_of, fused=kernels == "adapt" and dev.type == "cpu")
+            # the fused CPU dequant-GEMM where the cpu backend runs ops, else the twin (dequantize + F.linear)
+            prepare(net, spec, layout, slice_of, fused=dev.type == "cpu" and "cpu" in set(k.backends.values()))
         materialize(net, dev, tdtype)
         load_weights(net, spec, layout, ctx, src.reader, presliced=src.presliced)
-        if prepack != "off" and can_prepack(dev):
-            prepack_linears(net, PACK_DTYPES_ALL if prepack == "auto" else PACK_DTYPES_EXACT,
-                            tiled=prepack == "auto" and kernels == "adapt")
+        prepare_weights(k, net, dev, tdtype, prepack=prepack)  # packing, per-device layouts (the backends')
         net.eval()
         max_len = max_model_len or spec.max_position_embeddings
         pool = _make_pool(spec, net, ctx, dev, tdtype, kv_cache_memory, kv_cache_dtype, block_size, max_len,
@@ -265,8 +263,9 @@ class Engine:
             "decode_tokens_per_s": round(st["decode_tokens"] / st["decode_s"], 2) if st["decode_s"] else None,
             "time_to_first_token_s": round(ttft, 6) if ttft is not None else None,
             "total_s": round(total_s, 6), "steps": st["steps"], "preemptions": st["preemptions"],
-            "cpu_kernels": (None if self.device.type != "cpu" else cpu_kernels.status() if self.kernels.impl == "adapt"
-                            else "off (--kernels reference)"),
+            "kernels": {"requested": self.kernels.impl, "ops": dict(self.kernels.backends)},  # op -> backend
+            "cpu_kernels": (None if self.device.type != "cpu" else cpu_kernels.status()
+                            if "cpu" in self.kernels.backends.values() else f"off (--kernels {self.kernels.impl})"),
             "moe_experts": experts_form(self.model),  # tiled / oneDNN packed / stacked (models/moe.py)
             "moe_router": routers_form(self.model),  # fused / torch (models/moe.py)
             "linears": linears_form(self.model),  # {"fma panels" | "oneDNN packed" | "plain": count}

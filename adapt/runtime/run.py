@@ -9,24 +9,24 @@ from adapt.errors import RuntimeConfigError
 from adapt.runtime.engine import Engine
 from adapt.runtime.parallel import SINGLE, ParallelContext
 from adapt.runtime.sampling import SamplingParams
-from adapt.runtime.vision.processor import expand_placeholders, split_images
+from adapt.runtime.vision.processor import expand_placeholders, preprocess, split_images
 
 
 def preprocess_images(eng: Engine, sources: list[str], allow_remote: bool = False) -> list:
     """Each image source loaded (vision/inputs.py) and preprocessed by the checkpoint's processor."""
     if not sources:
         return []
-    from adapt.runtime.vision.inputs import ImageLimits, load_image
+    from adapt.runtime.vision.inputs import ImageLimits
 
     proc = eng.image_processor()
     limits = ImageLimits(allow_remote=allow_remote)
-    return [proc(load_image(src, limits)) for src in sources]
+    return [preprocess(proc, src, limits) for src in sources]
 
 
 def run_generation(model: str | Path, prompts: list[str] | None = None, prompt_ids: list[list[int]] | None = None,
                    *, chat: bool = False, max_tokens: int = 32, temperature: float = 0.0, top_k: int | None = None,
                    top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-                   ignore_eos: bool = False, device: str = "cpu", dtype: str = "float32", kernels: str = "adapt",
+                   ignore_eos: bool = False, device: str = "cpu", dtype: str = "float32", kernels: str = "auto",
                    kv_cache_memory: str | None = None, kv_cache_dtype: str = "auto", prepack: str = "auto",
                    ctx: ParallelContext = SINGLE, engine: Engine | None = None, images: list[str] | None = None,
                    allow_remote_images: bool = False, weights_dtype: str = "auto") -> dict:
@@ -68,7 +68,7 @@ def run_generation(model: str | Path, prompts: list[str] | None = None, prompt_i
                             stop=tuple(stop or ()), ignore_eos=ignore_eos)
     results = eng.generate(ids, params, images=per_prompt)
     stats = dict(eng.last_stats, model=str(eng.path), model_type=eng.spec.model_type, device=str(eng.device),
-                 dtype=str(eng.dtype).replace("torch.", ""), kernels=eng.kernels.impl, load_s=round(load_s, 4),
+                 dtype=str(eng.dtype).replace("torch.", ""), load_s=round(load_s, 4),
                  num_prompts=len(ids))
     outputs = [{"prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids, "text": r.text,
                 "finish_reason": r.finish_reason} for r in results]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from adapt.errors import ValidationInputError
+from adapt.validate.checklist import Skip
 from adapt.validate.reference import PROMPT_LENGTHS, HFReference
 from adapt.validate.target import Generation
 
@@ -172,11 +173,32 @@ class GoldenReference:
         self.prompts = [list(map(int, p)) for p in doc["prompts"]]
         st = doc.get("streamed")
         self.streamed = streamed_summary(st) if isinstance(st, dict) else None
-        self.description = (f"golden {self.path} (of {doc.get('model', '?')}"
-                            + (", layer-streamed reference)" if self.streamed else ")"))
+        self.source = str(doc.get("source") or "transformers")
+        self.endpoint = doc.get("endpoint") if self.source == "endpoint" else None  # golden_endpoint.py
+        self.has_logits = "logits.0" in self.tensors
+        self.has_layers = any(k.startswith("layers.") for k in self.tensors)
+        via = (", layer-streamed reference" if self.streamed else
+               f", recorded from endpoint {(self.endpoint or {}).get('url', '?')}" if self.endpoint is not None else "")
+        self.description = f"golden {self.path} (of {doc.get('model', '?')}{via})"
+
+    def _missing(self, what: str) -> Skip:
+        src = f"recorded from an endpoint ({(self.endpoint or {}).get('url', '?')})" if self.endpoint is not None \
+            else "dumped without them"
+        return Skip(f"needs the reference's {what}; the golden {self.path} was {src} and holds top-N logprobs only")
 
     def logits(self, i: int) -> torch.Tensor:
-        return self.tensors[f"logits.{i}"]
+        t = self.tensors.get(f"logits.{i}")
+        if t is None:
+            raise self._missing("prefill logits")
+        return t
+
+    def prompt_top(self, i: int) -> list[dict[int, float]] | None:
+        """Top-N logprobs per row of the prefill logits (rows 0..T-2), when the golden holds them instead of
+        logits (an endpoint golden); else None."""
+        ids, vals = self.tensors.get(f"prompt_top.{i}.ids"), self.tensors.get(f"prompt_top.{i}.logprobs")
+        if ids is None or vals is None:
+            return None
+        return [{int(t): float(v) for t, v in zip(r, q) if t >= 0} for r, q in zip(ids.tolist(), vals.tolist())]
 
     def generation(self, i: int, max_new_tokens: int, top_n: int) -> Generation | None:
         """The stored generation cut to the length and top-N asked; None when it stored less."""
@@ -189,6 +211,8 @@ class GoldenReference:
         return Generation([int(t) for t in rec["tokens"][:max_new_tokens]], lps)
 
     def layers(self, i: int) -> dict[str, torch.Tensor]:
+        if not self.has_layers:
+            raise self._missing("layer outputs")
         pre = f"layers.{i}."
         return {k[len(pre):]: v for k, v in self.tensors.items() if k.startswith(pre)}
 
@@ -201,6 +225,14 @@ class GoldenReference:
 
     def long_logits(self, length: int) -> torch.Tensor | None:
         return self.tensors.get(f"long.{length}.logits")
+
+    def long_logprobs(self, length: int) -> dict[int, float] | None:
+        """The next-token top-N logprobs after the rung's prompt, where the golden holds those instead of
+        logits (an endpoint golden); else None."""
+        ids, vals = self.tensors.get(f"long.{length}.top_ids"), self.tensors.get(f"long.{length}.top_logprobs")
+        if ids is None or vals is None:
+            return None
+        return {int(t): float(v) for t, v in zip(ids.tolist(), vals.tolist()) if t >= 0}
 
     def plain_torch(self, dtype: str):
         return None

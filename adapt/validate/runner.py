@@ -97,7 +97,8 @@ def run_validation(
     notes = []
     if tgt.runner is None:
         notes.append(f"no target runtime: {tgt.reason}")
-    white_box = tgt.runner is not None and info is None  # an endpoint's layers are not visible
+    # an endpoint's layers are not visible, nor are those of a reference recorded from one
+    white_box = tgt.runner is not None and info is None and getattr(ref, "has_layers", True)
     if failed and ctx.first_divergence is None and white_box:
         ctx.first_divergence = locate_first_divergence(ctx)
     if white_box and not ctx.layer_curve and failed:
@@ -111,6 +112,8 @@ def run_validation(
         target_kind=tgt.kind, **extra)
     if getattr(ref, "streamed", None):
         env["reference_streamed"] = ref.streamed  # report.html: the reference was streamed, these experts loaded
+    if getattr(ref, "endpoint", None):
+        env["reference_endpoint"] = ref.endpoint  # the golden's server: its /v1/models, /version, token-id source
     report = Report(items, env, ctx.first_divergence, ctx.layer_curve, checklist=cl.name)
     if base is not None:
         report.regressions = compare_to_baseline(report, base)

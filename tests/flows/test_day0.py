@@ -10,7 +10,7 @@ from adapt.validate.checklist import default_checklist_path
 from tests.fixtures.tiny import save_tiny
 from tests.validate.test_validate_cli import run_cli
 
-STAGES = ["profile", "plan", "shard", "run", "validate", "report"]
+STAGES = ["profile", "ops", "plan", "shard", "run", "validate", "report"]
 
 
 def _check_dir(out, with_model: bool):
@@ -26,6 +26,10 @@ def _check_dir(out, with_model: bool):
               "validate/report.json", "validate/report.html", "validate/junit.xml", "validate/summary.md"):
         assert (out / f).is_file(), f
     assert json.loads((out / "run.json").read_text())
+    ops = json.loads((out / "ops.json").read_text())["ops"]  # the operator-mapping table, in day0.md too
+    assert ops and all(o["impl"] for o in ops)
+    assert "## Operator mapping" in (out / "day0.md").read_text()
+    assert f"| {ops[0]['op']} |" in (out / "day0.md").read_text()
     return d
 
 

@@ -76,6 +76,12 @@ def _no_cuda() -> str | None:
     return None if torch.cuda.is_available() else "needs a CUDA device"
 
 
+def _no_triton() -> str | None:
+    import importlib.util
+
+    return None if importlib.util.find_spec("triton") else "triton is not installed"
+
+
 def _shard(ranks: int, out: str) -> Callable[[Result], None]:
     def check(r: Result) -> None:
         _ok(files=(f"{out}/manifest.json",))(r)
@@ -110,6 +116,14 @@ def _chat_stream(r: Result) -> None:
     assert all(json.loads(e)["object"] == "chat.completion.chunk" for e in events[:-1])
 
 
+def _image_chat(r: Result) -> None:
+    """A chat completion whose prompt holds the photo's image tokens (more than the text alone)."""
+    def check(d: dict) -> None:
+        assert d["object"] == "chat.completion" and d["choices"][0]["message"]["content"] is not None, d
+        assert d["usage"]["completion_tokens"] == 8 and d["usage"]["prompt_tokens"] > 30, d["usage"]
+    _json(check)(r)
+
+
 def _assert(cond: bool, what: object) -> None:
     assert cond, what
 
@@ -126,6 +140,19 @@ def _endpoint_report(r: Result) -> None:
     st = {it["id"]: it["status"] for it in doc["items"]}
     assert st["greedy_token_match"] == "pass" and st["hidden_states"] == "skip", st
     assert doc["environment"]["endpoint"]["served_model_name"] == "ref-model"
+
+
+def _endpoint_golden(r: Result) -> None:
+    _ok("wrote golden-ep/golden.json", files=("golden-ep/golden.json",))(r)
+    ep = json.loads((r.cwd / "golden-ep/golden.json").read_text())["endpoint"]
+    assert ep["v1_models"]["data"][0]["id"] == "ref-model" and ep["token_ids"] == ["server (return_token_ids)"], ep
+
+
+def _endpoint_golden_report(r: Result) -> None:
+    _ok(files=("report-ep/report.json",))(r)
+    doc = json.loads((r.cwd / "report-ep/report.json").read_text())
+    st = {it["id"]: it["status"] for it in doc["items"]}
+    assert st["greedy_token_match"] == st["top1_agreement"] == "pass" and st["prefill_logits"] == "skip", st
 
 
 def _bench_json(d: dict, n: int) -> None:
@@ -176,6 +203,13 @@ RULES: list[Rule] = [
          _json(lambda d: _assert(d["decode_tokens"] > 0 and d["prefill_tokens"] == 5, d))),
     Rule(r"^adapt run \./my-model --prompt \"Write a poem\" --chat ", lambda r: _tokens(r), needs=("my-model",)),
     Rule(r"^adapt run \./shards .*--device cuda", _ok(), skip=_no_cuda),
+    Rule(r"^adapt ops tiny-k2 --device cuda --format json \| jq \.ops$",
+         _json(lambda d: _assert(len(d) >= 8 and all(o["impl"] for o in d)
+                                 and {o["impl"] for o in d} <= {"triton", "torch"}, d))),
+    Rule(r"^adapt ops tiny-k2 --device cpu$", _ok("mla_decode", "C++ fused", "cpu")),
+    Rule(r"^TRITON_INTERPRET=1 adapt run tiny-llama --prompt-ids 1,2,3 --kernels triton --dtype float32 ",
+         _json(lambda d: _assert(d["requested"] == "triton" and d["ops"]["paged_decode_attention"] == "triton", d)),
+         skip=_no_triton),
     Rule(r"^adapt init-model tiny-qwen2\.5-vl \./tiny-vl$", _ok(files=("tiny-vl/preprocessor_config.json",))),
     Rule(r"^adapt run \./tiny-vl --image photo\.png --prompt \"What is in the picture\?\" --chat --max-tokens 8$",
          lambda r: _tokens(r), needs=("photo.png",)),
@@ -189,6 +223,10 @@ RULES: list[Rule] = [
     Rule(r"^curl -s localhost:8000/v1/chat/completions .*\"stream\": true", _chat_stream),
     Rule(r"^curl -s localhost:8000/metrics \| grep adapt:time_to_first_token$",
          _ok("# HELP adapt:time_to_first_token_seconds", "adapt:time_to_first_token_seconds_count")),
+    Rule(r"^adapt serve tiny-qwen2\.5-vl --port 8000 --allow-remote-images --limit-images-per-prompt 2 "
+         r"--image-fetch-timeout 5$", _ok(), background=True, subst={"--port 8000": "--port 0"}),
+    Rule(r"^jq -n --arg url \"data:image/png;base64,\$\(base64 < photo\.png .*\| curl -s "
+         r"localhost:8000/v1/chat/completions -d @-$", _image_chat, needs=("photo.png",)),
     # adapt validate
     Rule(r"^adapt validate dump \./ref-model --out golden/$", _ok(files=("golden",)), needs=("ref-model",)),
     Rule(r"^adapt validate \./shard-out --reference golden/ --out report/$", _ok(files=("report/report.html",)),
@@ -212,6 +250,9 @@ RULES: list[Rule] = [
          subst={"--port 8000": "--port 0"}),
     Rule(r"^adapt validate --endpoint http://localhost:8000 --reference \./ref-model --out report/$",
          _endpoint_report),
+    Rule(r"^adapt validate dump --endpoint http://localhost:8000 \./ref-model --out golden-ep/$",
+         _endpoint_golden),
+    Rule(r"^adapt validate \./ref-model --reference golden-ep/ --out report-ep/$", _endpoint_golden_report),
     # adapt bench serve
     Rule(r"^adapt bench serve --endpoint http://localhost:8000 --requests 16 --concurrency 4 --input-len 32 "
          r"--output-len 8 --format json$", _json(lambda d: _bench_json(d, 16))),

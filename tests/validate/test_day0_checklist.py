@@ -4,7 +4,7 @@ from adapt.validate.checklist import default_checklist_path, load_checklist, thr
 
 KINDS = {"manifest_verify", "memory_vs_profile", "staged_init", "end_to_end", "image_path",
          "parallel_consistency", "operator_alignment", "layer_alignment", "long_context", "kv_quant_impact",
-         "service", "chat_template", "batch_invariance"}
+         "service", "chat_template", "batch_invariance", "serving_load"}
 SECTIONS = ["model_loading", "runtime_startup", "text_inference", "image_inference", "multi_device",
             "operator_alignment", "layer_alignment", "long_context", "kv_cache_quant", "service",
             "serving"]

@@ -21,7 +21,7 @@ from tests.fixtures.openai_server import FixtureServer, _Model
 from tests.validate.test_validate_cli import run_cli
 
 ENDPOINT_ITEMS = ["greedy_token_match", "logprob_closeness", "long_context_ladder", "service_api",
-                  "chat_template_parity", "batch_invariance"]
+                  "chat_template_parity", "batch_invariance", "serving_load"]
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,13 @@ def test_adapt_serve_passes_and_the_o_proj_copy_fails(models, tmp_path):
     assert ep["token_ids"] == ["server (return_token_ids)"] and "version" in ep
     ladder = next(it for it in r["items"] if it["id"] == "long_context_ladder")["metrics"]
     assert [x["length"] for x in ladder["rungs"]] == [128, 512] and ladder["logprob_max_abs"] < 2e-4
+    assert all(x["latency_s"]["n"] == 3 and 0 < x["latency_s"]["p50"] <= x["latency_s"]["p99"] for x in ladder["rungs"])
+    load = next(it for it in r["items"] if it["id"] == "serving_load")["metrics"]
+    assert st["serving_load"] == "pass" and [x["concurrency"] for x in load["levels"]] == [1, 2, 4, 8], load
+    assert all(x["completed"] == 8 and x["ttft_s"]["p50"] <= x["ttft_s"]["p99"] for x in load["levels"])
+    html = (tmp_path / "ok" / "report.html").read_text()
+    for fig in ("long_context_ladder-latency", "long_context_ladder-error", "serving_load-ttft", "serving_load-tps"):
+        assert f'<svg id="fig-{fig}"' in html, fig
     srv = _serve(models["oproj"])
     try:
         rc, r = _validate(srv.url, models, tmp_path / "bad", *_only("text_inference", "long_context"))

@@ -131,7 +131,7 @@ def _dp_generate(eng, ctx: DistributedContext, generate_one):
 
 
 def run_distributed(model: str | Path, prompts=None, prompt_ids=None, *, device: str = "cpu",
-                    dtype: str = "float32", kernels: str = "adapt", kv_cache_memory=None, kv_cache_dtype: str = "auto",
+                    dtype: str = "float32", kernels: str = "auto", kv_cache_memory=None, kv_cache_dtype: str = "auto",
                     prepack: str = "auto", dist_backend: str | None = None, dist_timeout: float = DEFAULT_TIMEOUT_S,
                     micro_batches: int | None = None, collective_stats: bool = False, weights_dtype: str = "auto",
                     **gen_kw) -> dict | None:

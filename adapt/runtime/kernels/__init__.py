@@ -6,7 +6,7 @@ Configuration math without a twin (rope_inv_freq, rope_cos_sin, mla_softmax_scal
 router_logits) is the same in both.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from . import (activation, attention, kv_quant, kv_write, linear_tiled, mla, moe_experts, moe_routing, moe_tiled, norm,
@@ -48,7 +48,8 @@ _SHARED = {
 
 @dataclass(frozen=True)
 class Kernels:
-    """The kernel set one runtime uses; `impl` says which ("adapt" or "reference")."""
+    """The kernel set one runtime uses; ``impl`` says which ("adapt" or "reference" here; a ``--kernels``
+    value when adapt.runtime.backends.select_kernels built it) and ``backends`` the backend of each op."""
 
     impl: str
     varlen_attention: Callable
@@ -76,6 +77,12 @@ class Kernels:
     rope_cos_sin: Callable
     mla_softmax_scale: Callable
     router_logits: Callable
+    backends: dict = field(default_factory=dict, compare=False)
+
+
+def shared_functions() -> dict[str, Callable]:
+    """The configuration math every kernel set shares (no twin: one function)."""
+    return {name: getattr(mod, name) for name, mod in _SHARED.items()}
 
 
 def get_kernels(impl: str = "adapt") -> Kernels:
@@ -84,8 +91,8 @@ def get_kernels(impl: str = "adapt") -> Kernels:
         raise ValueError(f"unknown kernel implementation {impl!r}; expected one of {', '.join(IMPLS)}")
     suffix = "" if impl == "adapt" else "_ref"
     fns = {name: getattr(mod, name + suffix) for name, mod in _TWINNED.items()}
-    fns.update({name: getattr(mod, name) for name, mod in _SHARED.items()})
+    fns.update(shared_functions())
     return Kernels(impl=impl, **fns)
 
 
-__all__ = ["IMPLS", "Kernels", "get_kernels"]
+__all__ = ["IMPLS", "Kernels", "get_kernels", "shared_functions"]

@@ -62,13 +62,19 @@ def mla_prefill(
     (roped), kv_b_weight [H * (Dn + Dv), R], cu_seqlens [B + 1] -> out [T, H, Dv]. Keys are the queries'
     own tokens (Tk = T) unless cu_seqlens_k gives each sequence's keys (a cached prefix before its
     queries; causal masks bottom-right aligned)."""
-    t, h, dn = q_nope.shape
+    q, k, v = decompress(q_nope, q_pe, c_kv, k_pe, kv_b_weight, v_head_dim)
+    return varlen_attention(q, k, v, cu_seqlens, scale, causal=causal, cu_seqlens_k=cu_seqlens_k)
+
+
+def decompress(q_nope, q_pe, c_kv, k_pe, kv_b_weight, v_head_dim):
+    """MLA's latents decompressed by kv_b_proj into per-head attention inputs: q [T, H, Dn + Dr],
+    k [Tk, H, Dn + Dr], v [Tk, H, Dv] (what any varlen attention kernel then takes)."""
+    h, dn = q_nope.shape[1], q_nope.shape[2]
     tk = c_kv.shape[0]
     kv = F.linear(c_kv, kv_b_weight).view(tk, h, dn + v_head_dim)  # [Tk, H, Dn + Dv]
     k_nope, v = kv.split([dn, v_head_dim], dim=-1)
     k = torch.cat((k_nope, k_pe[:, None, :].expand(tk, h, k_pe.shape[-1])), dim=-1)  # [Tk, H, Dn + Dr]
-    q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, Dn + Dr]
-    return varlen_attention(q, k, v, cu_seqlens, scale, causal=causal, cu_seqlens_k=cu_seqlens_k)
+    return torch.cat((q_nope, q_pe), dim=-1), k, v
 
 
 def mla_decode(

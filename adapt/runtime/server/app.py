@@ -167,7 +167,13 @@ def build_app(service: Service, golden=None) -> Any:
             raise bad_request("the model has no tokenizer", "prompt")
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
-        ids = tok.encode(req.prompt) if req.prompt is not None else chat_ids(req.messages, tok)
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt)
+        else:  # with images: the placeholders expanded to the image token counts, as a completion would see them
+            parts: list = []
+            ids = chat_ids(req.messages, tok, parts, service.max_images)
+            if parts:
+                ids, _ = await service.load_images(ids, parts)
         return {"count": len(ids), "max_model_len": service.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -183,7 +189,7 @@ def build_app(service: Service, golden=None) -> Any:
         return {"prompt": service.tokenizer.decode(req.tokens)}
 
     async def generation(route: str, request: Request):
-        req = service.parse(route, await _body(request, cfg.max_request_bytes))
+        req = await service.prepare(route, await _body(request, cfg.max_request_bytes))
         if req.stream:
             return _sse(service.stream(req))
         try:

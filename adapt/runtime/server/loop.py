@@ -108,11 +108,12 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, out: Any, index: int = 0,
-               drop_output: bool = False) -> int:
-        """Queue one sequence; its Delta / Failed events go to ``out.put``. Returns its id for ``abort``."""
+               drop_output: bool = False, mm: Any = None) -> int:
+        """Queue one sequence; its Delta / Failed events go to ``out.put``. Returns its id for ``abort``.
+        ``mm``: the prompt's images (vision/request.py RequestImages, placeholders already expanded)."""
         sid = next(self._ids)
         with self._cv:
-            self._inbox.append((sid, list(prompt_ids), params, out, index, drop_output, time.monotonic()))
+            self._inbox.append((sid, list(prompt_ids), params, out, index, drop_output, time.monotonic(), mm))
             self._cv.notify()
         return sid
 
@@ -183,14 +184,14 @@ class EngineLoop:
             self._inbox.clear()
 
     def _admit(self, sid: int, prompt_ids: list[int], params: SamplingParams, out: Any, index: int,
-               drop_output: bool, arrival: float) -> None:
+               drop_output: bool, arrival: float, mm: Any = None) -> None:
         bad = [t for t in prompt_ids if not 0 <= t < self.engine.spec.vocab_size]
         if bad:
             out.put(Failed(index, f"token id {bad[0]} is outside the vocabulary [0, {self.engine.spec.vocab_size})",
                            400))
             return
         try:
-            self.scheduler.add(prompt_ids, params, seq_id=sid)
+            self.scheduler.add(prompt_ids, params, seq_id=sid, mm=mm)
         except AdaptError as e:
             out.put(Failed(index, str(e), 400))
             return

@@ -8,7 +8,8 @@ number), so a client never gets an answer computed with a field silently dropped
 Fields adapt serve does not implement are still declared when OpenAI defines them (``suffix``,
 ``tools`` ...); the service accepts them only at their no-op value (``requests.py``). Extensions, as
 vLLM spells them: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-``prompt_logprobs``, ``return_token_ids``, ``stream_options.continuous_usage_stats``.
+``prompt_logprobs``, ``return_token_ids``, ``stream_options.continuous_usage_stats``. Chat content parts:
+``text`` and ``image_url`` (vision models).
 
 Responses are lenient (``extra="allow"``): other servers add fields of their own.
 """
@@ -82,8 +83,21 @@ class TextContentPart(_Request):
     text: StrictStr
 
 
-# The content parts a chat message may carry; image parts join this union (a discriminated union on type).
-ContentPart = TextContentPart
+class ImageURL(_Request):
+    """``url``: a ``data:image/...;base64,`` URL, or an http(s) URL where the server allows remote images.
+    ``detail``: the checkpoint's image processor sets the resolution, so adapt serve takes only ``"auto"``."""
+
+    url: StrictStr
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageContentPart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+# The content parts a chat message may carry: a discriminated union on ``type``.
+ContentPart = Annotated[Union[TextContentPart, ImageContentPart], Field(discriminator="type")]
 
 
 class ChatMessage(_Request):

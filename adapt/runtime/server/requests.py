@@ -24,6 +24,14 @@ _NOOP = {"best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none
          "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},)}
 
 
+@dataclass(frozen=True)
+class ImagePart:
+    """An ``image_url`` content part: where it sits in the body (``param``) and its URL."""
+
+    param: str
+    url: str
+
+
 @dataclass
 class GenRequest:
     """A parsed request: ``n`` engine sequences per prompt, all with the same sampling params."""
@@ -42,6 +50,8 @@ class GenRequest:
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     max_tokens_zero: bool = False  # max_tokens 0: nothing generated (echo / prompt_logprobs only)
     prompt_logprobs_asked: bool = False  # vLLM's prompt_logprobs field was sent
+    images: list[ImagePart] = dataclasses.field(default_factory=list)  # chat: image parts, in prompt order
+    mm: Any = None  # the loaded images (vision/request.py RequestImages), shared by the n sequences
 
     @property
     def num_choices(self) -> int:
@@ -61,6 +71,11 @@ def validate(model: type[BaseModel], body: Any) -> BaseModel:
 def _first_error(e: ValidationError, body: dict) -> APIError:
     errs = e.errors(include_url=False)
     first = errs[0]
+    # a union reports each alternative; the one that reaches deepest into what the client sent names the field
+    # best (content sent as a list: its part's missing "url", not "content is not a string")
+    base = path_keys(body, first["loc"])
+    inside = [x for x in errs if path_keys(body, x["loc"])[:len(base)] == base]
+    first = max(inside, key=lambda x: len(path_keys(body, x["loc"])))
     path = _path(body, first["loc"])
     same = [x for x in errs if _path(body, x["loc"]) == path]  # a union reports one error per alternative
     kind = first["type"]
@@ -80,9 +95,15 @@ def _msg(err: dict) -> str:
 
 
 def path_keys(body: Any, loc: tuple) -> list:
-    """The leading part of a pydantic error location that exists in the body (drops union tags)."""
-    keys, cur = [], body
-    for k in loc:
+    """The leading part of a pydantic error location that exists in the body (drops union tags: a member's
+    name such as ``str`` or ``list[...]``, a tagged union's ``type`` value)."""
+    keys, cur, tagged = [], body, None
+    for i, k in enumerate(loc):
+        if isinstance(cur, dict) and cur is not tagged and cur.get("type") == k and i + 1 < len(loc):
+            tagged = cur
+            continue  # the tag of a discriminated union, then the member's own field
+        if isinstance(k, str) and not isinstance(cur, dict):
+            continue  # the name of a union member (``str``, ``list[...]``)
         if isinstance(cur, dict) and isinstance(k, str) and k in cur:
             cur = cur[k]
         elif isinstance(cur, list) and isinstance(k, int) and 0 <= k < len(cur):
@@ -202,28 +223,59 @@ def _prompts(v: Any, tokenizer) -> list[list[int]]:
     return out
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: content joined to one string."""
-    out = []
+def chat_messages(messages: list[ChatMessage], images: list[ImagePart] | None = None,
+                  max_images: int | None = None) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: text parts joined to one string; a message with image parts
+    keeps its parts in order, each image as ``{"type": "image"}`` (the form HF chat templates render as the
+    model's placeholder) and its URL appended to ``images``. ``max_images``: the most a request may hold
+    (0: the model takes none), checked before any template runs or image is read."""
+    out, seen = [], 0
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":  # only an assistant turn may come without text
             raise bad_request(f"messages[{i}].content is required for role {m.role!r}", f"messages[{i}].content",
                               "missing_field")
         c = m.content
-        text = c if isinstance(c, str) else "".join(p.text for p in c) if c else ""
-        d = {"role": m.role, "content": text}
+        if isinstance(c, list) and any(p.type == "image_url" for p in c):
+            content: Any = []
+            for j, p in enumerate(c):
+                if p.type == "text":
+                    content.append({"type": "text", "text": p.text})
+                    continue
+                where = f"messages[{i}].content[{j}]"
+                if m.role != "user":
+                    raise bad_request(f"{where}: image parts are allowed only in user messages, not {m.role!r}",
+                                      where, "invalid_value")
+                if p.image_url.detail not in (None, "auto"):
+                    raise bad_request(f"{where}.image_url.detail = {p.image_url.detail!r} is not supported by adapt "
+                                      f"serve (the checkpoint's image processor sets the resolution): send 'auto' "
+                                      f"or leave it out", f"{where}.image_url.detail", "unsupported")
+                seen += 1
+                if max_images == 0:
+                    raise bad_request(f"{where}: this model has no vision tower, it takes no images", where,
+                                      "images_not_supported")
+                if max_images is not None and seen > max_images:
+                    raise bad_request(f"{where}: at most {max_images} image(s) per request (the server's "
+                                      f"--limit-images-per-prompt)", where, "too_many_images")
+                content.append({"type": "image"})
+                if images is not None:
+                    images.append(ImagePart(where, p.image_url.url))
+        else:
+            content = c if isinstance(c, str) else "".join(p.text for p in c) if c else ""
+        d = {"role": m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
         out.append(d)
     return out
 
 
-def chat_ids(messages: list[ChatMessage], tokenizer) -> list[int]:
+def chat_ids(messages: list[ChatMessage], tokenizer, images: list[ImagePart] | None = None,
+             max_images: int | None = None) -> list[int]:
+    """The rendered chat's token ids, one placeholder token per image (the images' URLs go to ``images``)."""
     if tokenizer is None:
         raise bad_request("the model has no tokenizer, so no chat template: use /v1/completions with token ids",
                           "messages")
     try:
-        ids = tokenizer.encode_chat(chat_messages(messages))
+        ids = tokenizer.encode_chat(chat_messages(messages, images, max_images))
     except AdaptError as e:  # no template, or the template's raise_exception
         raise bad_request(str(e), "messages") from None
     if not ids:
@@ -252,14 +304,16 @@ def parse_completion(body: Any, tokenizer, vocab: int) -> GenRequest:
                       bool(req.return_token_ids), _n(req), echo, mt == 0, req.prompt_logprobs is not None)
 
 
-def parse_chat(body: Any, tokenizer, vocab: int) -> GenRequest:
-    """POST /v1/chat/completions body -> GenRequest; messages go through the checkpoint's chat template."""
+def parse_chat(body: Any, tokenizer, vocab: int, max_images: int | None = None) -> GenRequest:
+    """POST /v1/chat/completions body -> GenRequest; messages go through the checkpoint's chat template, each
+    image part as one placeholder token (the service loads the images and expands them: service.py)."""
     req: ChatCompletionRequest = validate(ChatCompletionRequest, body)  # type: ignore[assignment]
     _check_noop(req)
     if isinstance(req.tool_choice, dict):
         raise bad_request("'tool_choice' other than 'none' is not supported by adapt serve", "tool_choice",
                           "unsupported")
-    ids = chat_ids(req.messages, tokenizer)
+    images: list[ImagePart] = []
+    ids = chat_ids(req.messages, tokenizer, images, max_images)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -268,7 +322,7 @@ def parse_chat(body: Any, tokenizer, vocab: int) -> GenRequest:
         raise bad_request("'max_tokens' must be >= 1 for chat completions", "max_tokens")
     stream, usage, cont = _stream_flags(req)
     return GenRequest("chat", req.model, [ids], _sampling(req, mt or 1, logprobs, vocab), mt is not None, stream,
-                      usage, cont, logprobs, bool(req.return_token_ids), _n(req))
+                      usage, cont, logprobs, bool(req.return_token_ids), _n(req), images=images)
 
 
 def with_max_tokens(req: GenRequest, max_tokens: int) -> GenRequest:

@@ -5,6 +5,13 @@ split into ``n`` engine sequences per prompt, submitted to the EngineLoop, and e
 body or yielded as stream chunks. The engine loop's events reach the asyncio side through ``Bridge``: one
 ``call_soon_threadsafe`` per loop iteration, whatever the number of tokens. A request past
 ``request_timeout_s``, or whose client went away, is aborted in the engine, freeing its KV blocks.
+
+Images (chat ``image_url`` parts, vision models): counted and checked before the template runs, then fetched
+/ decoded / preprocessed off the event loop by ``vision.processor.preprocess`` (the code of ``adapt run
+--image``), under the config's limits; file paths are never read for a client. The placeholders are expanded
+to the processor's token counts, so the context check, the KV check and the scheduler's token budget count
+the image tokens; the tower runs once per request at its first prefill (vision/request.py), its features
+shared by the request's ``n`` sequences. Every bad image is a 400 naming its part.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from adapt.errors import AdaptError, ImageInputError
 from adapt.runtime.server.errors import APIError, bad_request
 from adapt.runtime.server.loop import Delta, EngineLoop, Failed
 from adapt.runtime.server.metrics import ServiceMetrics
-from adapt.runtime.server.requests import GenRequest, parse_chat, parse_completion, with_max_tokens
+from adapt.runtime.server.requests import GenRequest, ImagePart, parse_chat, parse_completion, with_max_tokens
+from adapt.runtime.vision.inputs import FETCH_TIMEOUT_S, MAX_BYTES, MAX_PIXELS, ImageLimits
 from adapt.runtime.server.responses import Choice, Chunker, full_response
 
 
@@ -42,6 +51,16 @@ class ServiceConfig:
     health_golden: str | None = None  # a golden dir / file replayed by GET /health/golden
     health_golden_interval_s: float = 300.0
     retry_after_s: int = 1
+    allow_remote_images: bool = False  # image_url parts may be http(s) URLs (fetched by the server)
+    limit_images_per_prompt: int = 4
+    max_image_bytes: int = MAX_BYTES  # encoded bytes of one image (a data: URL is bounded by the body too)
+    max_image_pixels: int = MAX_PIXELS  # decoded width x height of one image, read from its header
+    image_fetch_timeout_s: float = FETCH_TIMEOUT_S  # one remote image's whole fetch
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.max_image_bytes, self.max_image_pixels, self.allow_remote_images,
+                           self.image_fetch_timeout_s, allow_files=False)
 
 
 class Bridge:
@@ -100,6 +119,14 @@ class Service:
         self._lock = threading.Lock()
         self._weight_bytes = sum(t.numel() * t.element_size() for t in
                                  list(engine.model.parameters()) + list(engine.model.buffers()))
+        self._processor, self._no_images = None, None  # a vision model's image processor, or why there is none
+        if engine.spec.vision is None:
+            self._no_images = "this model has no vision tower, it takes no images"
+        else:
+            try:
+                self._processor = engine.image_processor()
+            except AdaptError as e:  # e.g. no preprocessor_config.json: text still serves
+                self._no_images = f"the server cannot read images: {e}"
 
     def start(self) -> None:
         self.loop.start()
@@ -144,13 +171,56 @@ class Service:
 
     # -- generation -----------------------------------------------------------------------------------
 
+    @property
+    def max_images(self) -> int:
+        """Images one request may hold (0: none, a text model)."""
+        return 0 if self.engine.spec.vision is None else self.config.limit_images_per_prompt
+
     def parse(self, route: str, body: Any) -> GenRequest:
-        """Parse and check a generation body; raises APIError."""
+        """Parse and check a generation body; raises APIError. A chat request with images comes back with
+        ``images`` set and unchecked against the context: ``prepare`` loads them."""
         vocab = self.engine.spec.vocab_size
-        req = parse_chat(body, self.tokenizer, vocab) if route == "chat" else parse_completion(body, self.tokenizer,
-                                                                                              vocab)
+        if route == "chat":
+            req = parse_chat(body, self.tokenizer, vocab, self.max_images)
+        else:
+            req = parse_completion(body, self.tokenizer, vocab)
         self.check_model(req.model)
-        return self._fit(req)
+        return req if req.images else self._fit(req)
+
+    async def prepare(self, route: str, body: Any) -> GenRequest:
+        """``parse``, then a chat request's images loaded (off the event loop) and its prompt expanded."""
+        req = self.parse(route, body)
+        if not req.images:
+            return req
+        ids, mm = await self.load_images(req.prompts[0], req.images)
+        return self._fit(dataclasses.replace(req, prompts=[ids], mm=mm, images=[]))
+
+    async def load_images(self, ids: list[int], parts: list[ImagePart]) -> tuple[list[int], Any]:
+        """(ids with each image placeholder expanded, the request's RequestImages) in a worker thread."""
+        return await asyncio.to_thread(self._load_images, ids, parts)
+
+    def _load_images(self, ids: list[int], parts: list[ImagePart]) -> tuple[list[int], Any]:
+        from adapt.runtime.vision.processor import expand_placeholders, preprocess
+        from adapt.runtime.vision.request import make_request
+
+        if self._processor is None:
+            raise bad_request(f"{parts[0].param}: {self._no_images}", parts[0].param, "images_not_supported")
+        limits, inputs = self.config.image_limits, []
+        for part in parts:
+            try:
+                inputs.append(preprocess(self._processor, part.url, limits))
+            except ImageInputError as e:
+                raise bad_request(f"{part.param}: {e}", part.param, e.code) from None
+            except Exception as e:  # noqa: BLE001 - a client's bytes reached the decoder or processor: a 400, not a 500
+                raise bad_request(f"{part.param}: the image could not be preprocessed ({type(e).__name__}: {e})",
+                                  part.param, "invalid_image") from None
+        spec = self.engine.spec
+        try:
+            ids = expand_placeholders(ids, inputs, spec.vision.image_token_id)
+            return ids, make_request(spec, ids, inputs)
+        except ImageInputError as e:  # the template dropped an image part, or the text holds a placeholder
+            raise bad_request(f"{e}: the chat template renders one placeholder per image part and the text must "
+                              f"hold none", "messages", "invalid_value") from None
 
     def _fit(self, req: GenRequest) -> GenRequest:
         """Check every prompt against the context and the cache; an unset max_tokens is clamped to fit."""
@@ -199,7 +269,7 @@ class Service:
                 params = req.params
                 if req.n > 1 and params.seed is not None:  # n seeded choices differ, and repeat
                     params = dataclasses.replace(params, seed=params.seed + j)
-                sids.append(self.loop.submit(p, params, sink, idx, drop_output=req.max_tokens_zero))
+                sids.append(self.loop.submit(p, params, sink, idx, drop_output=req.max_tokens_zero, mm=req.mm))
                 choices.append(Choice(idx, list(p)))
         return sink, sids, choices
 

@@ -20,6 +20,7 @@ import torch
 
 from adapt.errors import CheckpointError, ImageInputError
 from adapt.runtime.vision.clip import image_tokens
+from adapt.runtime.vision.inputs import ImageLimits, load_image
 from adapt.spec import VisionSpec
 
 
@@ -55,6 +56,12 @@ class ImageProcessor:
             return ImageInput(pv[0], None, image_tokens(v), image.size)
         t, h, w = (int(x) for x in out["image_grid_thw"][0])
         return ImageInput(pv, (t, h, w), t * h * w // v.spatial_merge_size ** 2, image.size)
+
+
+def preprocess(proc: ImageProcessor, src: str, limits: ImageLimits = ImageLimits()) -> ImageInput:
+    """One image source (path, data: URL, http(s) URL) decoded under ``limits`` (inputs.py) and run through
+    the checkpoint's processor: the one path of ``adapt run --image`` and ``adapt serve``'s image parts."""
+    return proc(load_image(src, limits))
 
 
 def expand_placeholders(ids: list[int], images: list[ImageInput], image_token_id: int) -> list[int]:

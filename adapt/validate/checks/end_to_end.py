@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from adapt.validate import compare
-from adapt.validate.checklist import Outcome, Skip, register_check
+from adapt.validate.checklist import Outcome, Skip, apply_thresholds, register_check
 
 
 def _vs_torch(err_target: float, err_plain: float, floor: float) -> float:
@@ -46,6 +46,35 @@ def _logits(ctx, k: int) -> dict[str, Any]:
     return m
 
 
+def _top_n_rows(ctx, thresholds: Mapping[str, float]) -> Outcome:
+    """Against a golden that holds each prompt position's top-N logprobs instead of logits (one recorded from
+    an endpoint): ``top1_agreement`` (the target's argmax is the reference's top-1) and ``logprob_max_abs`` over
+    the ids the reference holds. A threshold on what top-N logprobs cannot give (cosine, max_abs, KL) skips the
+    item when it is all the item has, else is dropped by name in the message."""
+    rows = [ctx.reference.prompt_top(i) for i in range(len(ctx.prompts))]
+    if any(r is None for r in rows):
+        raise Skip(ctx.reference._missing("prefill logits or per-position logprobs").reason)
+    agree, worst, n = 0, 0.0, 0
+    for i, ref in enumerate(rows):
+        lp = torch.log_softmax(ctx.target_logits(i)[:-1].double(), dim=-1)  # [T-1, V]
+        for t, d in enumerate(ref):
+            if not d:
+                continue
+            n += 1
+            agree += int(lp[t].argmax()) == max(d, key=d.get)
+            worst = max(worst, max(abs(float(lp[t, k]) - v) for k, v in d.items()))
+    m = {"top1_agreement": agree / max(n, 1), "logprob_max_abs": worst, "positions": n}
+    cannot = sorted(k for k in thresholds if k[:-4] not in m)
+    if cannot and len(cannot) == len(thresholds):
+        raise Skip(f"{', '.join(c[:-4] for c in cannot)} need(s) the reference's logits; the golden holds the top-N "
+                   "logprobs of each prompt position")
+    broken = apply_thresholds(m, {k: v for k, v in thresholds.items() if k not in cannot})
+    msg = "; ".join(broken) or f"{n} positions over {len(rows)} prompts vs the golden's top-N logprobs"
+    if cannot:
+        msg += f"; {', '.join(c[:-4] for c in cannot)} not measurable from top-N logprobs"
+    return Outcome(m, status="fail" if broken else "pass", message=msg)
+
+
 def _generations(ctx, n: int, top_n: int):
     pairs = []
     for i in range(len(ctx.prompts)):
@@ -62,6 +91,8 @@ def end_to_end(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) 
     what = params.get("compare", "logits")
     ctx.need_runner()
     if what == "logits":
+        if getattr(ctx.reference, "has_logits", True) is False:
+            return _top_n_rows(ctx, thresholds)
         m = _logits(ctx, int(params.get("top_k", 5)))
         return Outcome(m, message=f"{m['positions']} positions over {len(ctx.prompts)} prompts")
     n, top_n = int(params.get("max_new_tokens", 16)), int(params.get("top_n", 5))

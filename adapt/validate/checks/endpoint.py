@@ -7,7 +7,8 @@ layer, operator, loading and KV items need the weights or the runtime's insides)
 
 Endpoint forms: ``end_to_end`` tokens / logprobs (the same check, through ``EndpointRunner``; the logits
 comparisons skip), ``service``, ``chat_template``, ``batch_invariance``, ``long_context``
-(checks/endpoint_ladder.py) and ``image_path``. Thresholds a black box cannot measure (``startup_s`` of a
+(checks/endpoint_ladder.py) and ``image_path`` (checks/endpoint_image.py: image_url data URLs). Thresholds
+a black box cannot measure (``startup_s`` of a
 server started elsewhere, ``cosine`` of logits it does not return) are dropped by name and the message
 says so; every other threshold applies as written.
 """
@@ -179,8 +180,17 @@ def endpoint_image(params: Mapping[str, Any], thresholds: Mapping[str, float], c
         cfg = ctx.reference.model.model.config.to_dict()
     if not (cfg or {}).get("vision_config"):
         raise Skip("text-only model: no vision tower")
-    raise Skip("the reference side of the image path (image_url data URL vs transformers with the image) is not "
-               "dumped yet")
+    from adapt.validate.checks.endpoint_image import endpoint_image as through_the_api
+
+    return through_the_api(params, thresholds, ctx, _runner(ctx), _judged)
+
+
+@register_check("serving_load")
+def serving_load(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
+    """Latency percentiles and throughput per concurrency level (checks/endpoint_load.py)."""
+    from adapt.validate.checks.endpoint_load import endpoint_load
+
+    return endpoint_load(params, thresholds, ctx, _runner(ctx), _judged)
 
 
 def endpoint_registry() -> dict[str, Callable]:
@@ -189,5 +199,5 @@ def endpoint_registry() -> dict[str, Callable]:
 
     reg: dict[str, Callable] = {k: _skipper(f"{SKIP_REASONS.get(k, 'needs the weights')}") for k in _REGISTRY}
     reg.update({"end_to_end": end_to_end, "chat_template": chat_template, "batch_invariance": batch_invariance,
-                "service": endpoint_service, "long_context": endpoint_long_context, "image_path": endpoint_image})
+                "service": endpoint_service, "long_context": endpoint_long_context, "serving_load": serving_load, "image_path": endpoint_image})
     return {k: _guard(v) for k, v in reg.items()}

@@ -9,7 +9,9 @@ on the server, is timed and checked for a well-formed answer, and is marked not 
 
 Metrics: ``top1_agreement`` (rungs whose top token equals the reference's, over compared rungs),
 ``logprob_max_abs`` (largest |difference| of a logprob over the ids both top-N hold), ``max_length``,
-``rungs`` (each rung: length, seconds, compared, top-1 match, logprob difference) for the report's plot.
+``rungs`` (each rung: length, seconds, compared, top-1 match, logprob difference, and ``latency_s`` p50 / p90 /
+p99 over ``params.repeats`` requests of that length, the extra ones on prompts of their own seeds so that no
+prefix cache answers them) for the report's plot.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from adapt.bench.stats import percentile
 from adapt.validate.checklist import Outcome, Skip
 from adapt.validate.checks.endpoint import _judged, _runner
 
@@ -63,9 +66,21 @@ def _prompt(ctx, length: int) -> list[int]:
     return list(ids)
 
 
+def _timed(run, ctx, length: int, r: int) -> float:
+    """Seconds of one more request at the rung's length, on a prompt of its own (another seed: a repeat of the
+    rung's prompt would be served from the server's prefix cache)."""
+    from adapt.validate.reference import PROMPT_SEED, long_prompt
+
+    ids = long_prompt(ctx.reference.vocab_size, length, seed=PROMPT_SEED + 7919 * r)
+    t0 = time.perf_counter()
+    run.complete(ids, 1, 1)
+    return time.perf_counter() - t0
+
+
 def endpoint_long_context(params: Mapping[str, Any], thresholds: Mapping[str, float], ctx) -> Outcome:
     run = _runner(ctx)
     top_n = int(params.get("top_n", 5))
+    repeats = max(1, int(params.get("repeats", 1)))
     budget = float(params.get("time_budget_s", 60.0))
     server_limit = ctx.notes.get("max_model_len")
     rungs, skipped, last = [], [], None
@@ -84,11 +99,14 @@ def endpoint_long_context(params: Mapping[str, Any], thresholds: Mapping[str, fl
         t0 = time.perf_counter()
         c = run.complete(_prompt(ctx, length), 1, top_n)
         seconds = time.perf_counter() - t0
+        times = [seconds] + [_timed(run, ctx, length, r) for r in range(1, repeats)]
         if not c.logprobs or not c.logprobs[0] or not all(math.isfinite(v) for v in c.logprobs[0].values()):
             return Outcome({"rungs": rungs}, status="fail", message=f"rung {length}: no finite top-{top_n} logprobs "
                                                                      f"in the answer")
         got = c.logprobs[0]
-        rung: dict[str, Any] = {"length": length, "seconds": round(seconds, 4), "compared": ref is not None}
+        rung: dict[str, Any] = {"length": length, "seconds": round(seconds, 4), "compared": ref is not None,
+                                "latency_s": {q: round(percentile(times, float(q[1:])), 4) for q in ("p50", "p90", "p99")}
+                                | {"n": len(times)}}
         if ref is not None:
             common = [i for i in got if i in ref]
             rung["top1_match"] = float(max(got, key=got.get) == max(ref, key=ref.get))

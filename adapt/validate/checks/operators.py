@@ -10,12 +10,15 @@ so each path is checked on its own too (``moe_experts_fused[padded]``, ``[groupe
 path the case does not offer here is listed. Likewise the kernels with a fused CPU form
 (adapt/runtime/cpu_kernels.py, which this check builds or loads as the runtime does): the plain name is
 the form the runtime runs here (fused where it is built), ``name[torch]`` the torch form it falls back to.
+Every other registered backend (adapt/runtime/backends/: plugins, and ``triton`` where it runs here, i.e.
+under TRITON_INTERPRET=1 in float32) has each op it offers checked against the same twin as
+``name[backend]``; ``backends_checked`` counts them per backend, and a backend that cannot run here is named
+with the reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Any
 
 import torch
@@ -76,7 +79,9 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
     cpu_kernels.load()  # the cases run on the CPU: check the forms the CPU runtime runs
     ker, twin = get_kernels("adapt"), get_kernels("reference")
     wanted = params.get("kernels", "all")
-    names = [f.name for f in fields(ker) if f.name != "impl" and f.name not in SHARED]
+    from adapt.runtime.backends import OPS
+
+    names = list(OPS)  # every kernel with a twin (the configuration math in SHARED has none)
     if wanted != "all":
         names = [n for n in names if n in set(wanted)]
     cases = build_cases()
@@ -99,16 +104,22 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
             with fused.disabled():
                 _score(f"{n}[torch]", _run(getattr(ker, n), cases[n], dtype), refs, per, cos, ratio)
     paths_not_offered = _check_moe_paths(ker, twin, cases, names, dtype, per, cos, ratio)
+    checked, not_here = _check_backends(cases, names, twin, dtype, per, cos, ratio)
     if not per:
         raise Skip("no kernel has an operator case")
     worst = max(per, key=per.get)
-    n_paths = sum("[" in n and not n.endswith("[torch]") for n in per)
+    from adapt.runtime.tactics import STRATEGIES
+
+    n_paths = sum(n in {f"moe_experts_fused[{p}]" for p in STRATEGIES} for n in per)
+    n_backends = sum(checked.values())
     n_torch = sum(n.endswith("[torch]") for n in per)
-    m: dict[str, Any] = {"max_abs": per[worst], "cosine": min(cos.values()), "kernels": len(per) - n_paths - n_torch,
+    m: dict[str, Any] = {"max_abs": per[worst], "cosine": min(cos.values()),
+                         "kernels": len(per) - n_paths - n_torch - n_backends,
                          "moe_paths_checked": n_paths, "torch_forms_checked": n_torch,
                          "fused_cpu_kernels": cpu_kernels.status(),
                          "kernels_without_case": len(missing), "kernels_unsupported_here": len(unsupported),
-                         "worst_kernel": worst,
+                         "worst_kernel": worst, "backend_ops_checked": n_backends,
+                         **{f"backend.{b}.ops_checked": c for b, c in checked.items()},
                          **{f"{n}.max_abs": v for n, v in per.items()}}
     if ratio:
         m["max_abs_vs_torch_ratio"] = max(ratio.values())
@@ -117,6 +128,8 @@ def operator_alignment(params: Mapping[str, Any], thresholds: Mapping[str, float
         msg += f"; no case for {', '.join(missing)}"
     if unsupported:
         msg += f"; not runnable on this device in {ctx.dtype}: {', '.join(unsupported)}"
+    if not_here:
+        msg += "; backends not runnable here: " + "; ".join(f"{b} ({why})" for b, why in not_here.items())
     if paths_not_offered:
         msg += f"; MoE paths not offered for the case here: {', '.join(paths_not_offered)}"
     return Outcome(m, message=msg)
@@ -150,3 +163,33 @@ def _check_moe_paths(ker, twin, cases, names, dtype, per, cos, ratio) -> list[st
             continue
         _score(f"{n}[{path}]", out, refs, per, cos, ratio)
     return missing
+
+
+def _check_backends(cases, names, twin, dtype, per, cos, ratio) -> tuple[dict[str, int], dict[str, str]]:
+    """Each op of every backend besides cpu / torch / reference (checked above) against its twin, on the CPU
+    where the cases run; returns (ops checked per backend, why each other backend cannot run here)."""
+    from adapt.runtime.backends import backends, plugin_errors
+    from adapt.validate.checks.operator_cases import UnsupportedCase
+
+    checked: dict[str, int] = {}
+    not_here: dict[str, str] = {}
+    for b in backends():
+        if b.name in ("cpu", "torch", "reference"):
+            continue
+        why = b.unavailable("cpu", dtype)
+        if why is not None:
+            not_here[b.name] = why
+            continue
+        for n in names:
+            if n not in cases or not b.offers(n, dtype):
+                continue
+            try:
+                refs = _twin_refs(getattr(twin, n), cases[n], dtype)
+                out = _run(b.ops[n].fn, cases[n], dtype)
+            except UnsupportedCase:
+                continue
+            _score(f"{n}[{b.name}]", out, refs, per, cos, ratio)
+            checked[b.name] = checked.get(b.name, 0) + 1
+    for e in plugin_errors():
+        not_here[e.split(":")[0]] = e
+    return checked, not_here

@@ -1,7 +1,8 @@
 """report.html: a self-contained page rendered from a Report (no script, no external resource).
 
-Jinja2 autoescapes every value; the per-layer error curve is inline SVG whose geometry is computed here
-as numbers and drawn by the template, so no model-provided text ever reaches the page unescaped. A
+Jinja2 autoescapes every value; the per-layer error curve and the charts of an endpoint run (the long-context
+ladder, latency per concurrency: report/plots.py) are inline SVG whose geometry is computed as numbers and drawn
+by the template, so no model-provided text ever reaches the page unescaped. A
 Content-Security-Policy meta tag forbids scripts and any network fetch as a second line of defence.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 import jinja2
 
 from adapt.validate.records import STATUSES, Report, exit_code
+from adapt.validate.report.plots import figures
 
 TEMPLATE = "report.html.j2"
 _W, _H, _PAD_L, _PAD_R, _PAD_T, _PAD_B = 720, 260, 56, 16, 16, 36
@@ -113,7 +115,7 @@ def _env() -> jinja2.Environment:
     return env
 
 
-_FIGURES = ("thumbnails", "per_image")
+_FIGURES = ("thumbnails", "per_image", "rungs", "levels")  # drawn as images / charts, not as a JSON cell
 
 
 def _thumbnails(metrics: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -137,15 +139,19 @@ def render_html(report: Report) -> str:
     """The whole page as a string."""
     template = _env().from_string(resources.files(__package__).joinpath(TEMPLATE).read_text("utf-8"))
     sections: dict[str, list[dict[str, Any]]] = {}
+    figs = figures(report.items)
     for it in report.items:
-        shown = {k: v for k, v in it.metrics.items() if k not in _FIGURES}  # image_path: thumbnails instead
+        # thumbnails and charts instead of JSON cells
+        shown = {k: v for k, v in it.metrics.items() if k not in _FIGURES or not isinstance(v, list)}
         sections.setdefault(it.section, []).append({"item": it, "rows": metric_rows(shown, it.thresholds),
-                                                    "thumbs": _thumbnails(it.metrics)})
+                                                    "thumbs": _thumbnails(it.metrics),
+                                                    "plotted": any(g["item"] is it for g in figs)})
     summary = report.summary
     return template.render(
         report=report, summary=summary, statuses=STATUSES, sections=sections,
         env_rows=[(k, fmt(v)) for k, v in report.environment.items()],
         curve=curve_geometry(report.layer_curve, report.first_divergence),
+        figures=figs,
         exit_code=exit_code(report),
         model=str(report.environment.get("model", "") or ""),
     )

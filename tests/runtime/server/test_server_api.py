@@ -148,7 +148,7 @@ def test_bad_requests_get_400(client):
     _err(client.post("/v1/chat/completions", {"messages": "hi"}), 400, "messages")
     _err(client.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 30}), 400, "n")
     _err(client.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "video"}]}]}),
-         400, "messages[0].content")
+         400, "messages[0].content[0]", "invalid_type")  # the part, not "content is not a string"
     _err(client.post("/v1/completions", {"prompt": "x", "model": "gpt-4"}), 404, "model", "model_not_found")
     _err(client.post("/v1/chat/completions", {"messages": [{"role": "user"}]}), 400, "messages[0].content",
          "missing_field")

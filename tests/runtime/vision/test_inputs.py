@@ -60,3 +60,20 @@ def test_truncated_and_oversized():
     url = "data:image/png;base64," + base64.b64encode(data).decode()
     with pytest.raises(ImageInputError, match="more than"):
         load_image(url, ImageLimits(max_bytes=10))
+
+
+def test_only_the_listed_formats_and_media_types_decode(tmp_path):
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buf, "PPM")  # PIL reads PPM, adapt's decoder does not (FORMATS)
+    with pytest.raises(ImageInputError, match="not a readable image") as e:
+        decode(buf.getvalue(), "a.ppm")
+    assert e.value.code == "invalid_image"
+    with pytest.raises(ImageInputError, match="unsupported media type") as e:
+        load_image("data:application/pdf;base64," + base64.b64encode(_png(Image.new("RGB", (4, 4)))).decode())
+    assert e.value.code == "invalid_image_format"
+    Image.new("RGB", (4, 4)).save(tmp_path / "a.png")
+    assert load_image(str(tmp_path / "a.png")).size == (4, 4)
+    with pytest.raises(ImageInputError, match="file paths are not accepted"):
+        load_image(str(tmp_path / "a.png"), ImageLimits(allow_files=False))
