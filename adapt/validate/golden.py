@@ -210,6 +210,15 @@ class GoldenReference:
                for step in rec["logprobs"][:max_new_tokens]]
         return Generation([int(t) for t in rec["tokens"][:max_new_tokens]], lps)
 
+    def chat_prompt_ids(self) -> list[int] | None:
+        """The reference server's rendering of ``chat.messages`` (an endpoint golden), else None."""
+        ids = (self.doc.get("chat") or {}).get("prompt_token_ids")
+        return [int(t) for t in ids] if isinstance(ids, list) else None
+
+    @property
+    def chat_messages(self) -> list[dict[str, Any]] | None:
+        return (self.doc.get("chat") or {}).get("messages")
+
     def layers(self, i: int) -> dict[str, torch.Tensor]:
         if not self.has_layers:
             raise self._missing("layer outputs")

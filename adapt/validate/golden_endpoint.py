@@ -10,7 +10,9 @@ for the same seeded prompts ``adapt validate dump MODEL`` uses, in the same gold
   is the distribution after tokens 0..t, the row of the prefill logits it stands for; K = top-N plus the
   prompt's own token, padded with id -1), from vLLM's ``prompt_logprobs`` or else the legacy ``echo``;
 - each long-context rung's prompt and the top-N logprobs of the next token after it (``long.{L}.ids``,
-  ``long.{L}.top_ids`` / ``long.{L}.top_logprobs``).
+  ``long.{L}.top_ids`` / ``long.{L}.top_logprobs``);
+- the server's rendering of the chat item's messages (``chat.prompt_token_ids``), which ``chat_template_parity``
+  then holds another server to, and a copy of MODEL's tokenizer files.
 
 There are no logits and no layer outputs: the items that need them skip with that reason. MODEL gives the
 config (the prompts are drawn from its vocabulary; only config.json is needed, a hub id fetches nothing else)
@@ -37,11 +39,15 @@ import torch
 
 from adapt.errors import AdaptError, ValidationInputError
 from adapt.validate.checklist import Skip
+from adapt.validate.checks.endpoint import CHAT
 from adapt.validate.golden import DEFAULT_LONG, FORMAT, VERSION
 from adapt.validate.openai_client import Client, EndpointError
 from adapt.validate.reference import PROMPT_LENGTHS, fixed_prompts, long_prompt
 
 SOURCE = "endpoint"
+# copied into GOLDEN so that `validate --endpoint --reference GOLDEN` maps token texts and renders the template
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tiktoken.model")
 
 
 def _model_config(model: str | Path):
@@ -101,6 +107,21 @@ class _Recorder:
         self.run, self.top_n = runner, top_n
         self.prompt_source = "none"
 
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> tuple[list[int] | None, str]:
+        """The server's rendering of ``messages`` through its chat template (``prompt_token_ids`` of a
+        ``/v1/chat/completions``), or None and why: a server that refuses chat or sends no ids is recorded, not fatal."""
+        run = self.run
+        try:
+            doc = run.client.post_negotiated("/v1/chat/completions", run._body(messages=messages, max_tokens=1,
+                                             temperature=0.0), {"return_token_ids": True})
+        except EndpointError as e:
+            return None, f"/v1/chat/completions failed: {e}"
+        ch = doc.get("choices")
+        ids = ch[0].get("prompt_token_ids") if isinstance(ch, list) and ch and isinstance(ch[0], dict) else None
+        if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+            return ids, "server (prompt_token_ids)"
+        return None, "the server sends no prompt_token_ids"
+
     def next_token_top(self, ids: Sequence[int]) -> tuple[dict[int, float], str | None]:
         """The top-N logprobs of the next token after ``ids``, or why they cannot be recorded. The greedy token
         is the top-1, so its id (``return_token_ids``, ``token_id:N``, or its text mapped) must be known; an
@@ -153,19 +174,22 @@ def _pad(rows: list[dict[int, float]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, vals
 
 
-def _write(out: Path, tensors: dict[str, torch.Tensor], doc: dict[str, Any]) -> None:
-    """Write into a fresh directory beside ``out`` and move it in place, golden.json last."""
+def _write(out: Path, tensors: dict[str, torch.Tensor], doc: dict[str, Any], extra: list[Path]) -> None:
+    """Write into a fresh directory beside ``out`` (with copies of the ``extra`` files) and move it in place,
+    golden.json last."""
     from safetensors.torch import save_file
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        for f in extra:
+            shutil.copyfile(f, tmp / f.name)
         save_file(tensors, str(tmp / "tensors.safetensors"))
         (tmp / "golden.json").write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
         if not out.exists():
             os.replace(tmp, out)
             return
-        for name in ("tensors.safetensors", "golden.json"):
+        for name in [f.name for f in extra] + ["tensors.safetensors", "golden.json"]:
             os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -232,6 +256,7 @@ def dump_endpoint_golden(
             tensors[f"long.{length}.ids"] = torch.tensor(ids, dtype=torch.long)
             tensors[f"long.{length}.top_ids"], tensors[f"long.{length}.top_logprobs"] = (t[0] for t in _pad([top]))
             long_done.append(length)
+        chat_ids, chat_source = rec.chat_prompt_ids(CHAT)
     except EndpointError as e:
         raise ValidationInputError(f"{where}: {e} (nothing written)") from None
     except Skip as e:
@@ -245,7 +270,10 @@ def dump_endpoint_golden(
         "reference": f"endpoint {client.url} ({info.model})", "endpoint": provenance, "prompts": prompts,
         "generation": {"max_new_tokens": max_new_tokens, "top_n": top_n, "prompts": gens},
         "layer_stats": [], "long_context": {"lengths": long_done, "skipped": skipped, "top_n": top_n},
+        "chat": {"messages": CHAT, "prompt_token_ids": chat_ids, "source": chat_source},
         "tensors": "tensors.safetensors",
     }
-    _write(out, tensors, doc)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else src.directory
+    extra = [tok_dir / n for n in TOKENIZER_FILES if tok_dir is not None and (tok_dir / n).is_file()]
+    _write(out, tensors, doc, extra)
     return doc

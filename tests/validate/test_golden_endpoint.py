@@ -9,10 +9,13 @@ is down, answers 500 or malformed JSON is one line, exit 2, and the golden direc
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
+from adapt.runtime.tokenizer import Tokenizer
+from adapt.validate.checks.endpoint import CHAT
 from adapt.validate.golden import GoldenReference
 from adapt.validate.reference import HFReference
 from tests.fixtures.openai_server import FixtureServer
@@ -46,6 +49,8 @@ def test_golden_from_adapt_serve_matches_the_transformers_reference(served_golde
     assert ep["v1_models"]["data"][0]["id"] == "clean" and ep["version"]["version"]
     assert ep["token_ids"] == ["server (return_token_ids)"] and ep["prompt_logprobs"] == "prompt_logprobs (token ids)"
     assert doc["long_context"]["lengths"] == [128, 512]
+    assert doc["chat"]["source"] == "server (prompt_token_ids)" and (served_golden / "tokenizer.json").is_file()
+    assert doc["chat"]["prompt_token_ids"] == Tokenizer.from_dir(models["clean"]).encode_chat(CHAT)
     g, h = GoldenReference(served_golden), HFReference(models["clean"])
     assert g.prompts == h.prompts and not g.has_logits and not g.has_layers
     for i in range(len(g.prompts)):
@@ -78,13 +83,35 @@ def test_validate_against_the_endpoint_golden_passes_and_the_o_proj_copy_fails(s
 
 
 def test_validate_endpoint_against_the_endpoint_golden(served_golden, models, hf_model, tmp_path):  # noqa: F811
-    """The vendor's server (here the transformers fixture) judged against the golden of the reference server."""
+    """The vendor's server (here the transformers fixture) judged against the golden of the reference server: the
+    golden's tokenizer copy maps nothing here (token_id:N keys) but renders the chat template for the fixture,
+    which sends no prompt ids."""
     with FixtureServer(models["clean"], model=hf_model) as url:
         rc = run_cli("validate", "--endpoint", url, "--reference", served_golden, "--out", tmp_path / "r",
-                     "--checklist", models["checklist"], "--only", "text_inference", "--only", "long_context")
+                     "--checklist", models["checklist"], "--only", "text_inference", "--only", "long_context",
+                     "--only", "chat_template_parity")
     r = json.loads((tmp_path / "r" / "report.json").read_text())
     st = _status(r)
-    assert rc == 0 and st["greedy_token_match"] == st["long_context_ladder"] == "pass", r["items"]
+    assert rc == 0 and st["greedy_token_match"] == st["long_context_ladder"] == st["chat_template_parity"] == "pass", \
+        r["items"]
+
+
+def test_chat_parity_holds_a_server_to_the_reference_servers_rendering(served_golden, models, tmp_path):  # noqa: F811
+    """The chat item compares with the golden's recorded rendering, not a re-rendering: a golden whose recorded
+    chat prompt lost its last id fails a server that renders the template right."""
+    bad = tmp_path / "golden"
+    shutil.copytree(served_golden, bad)
+    doc = json.loads((bad / "golden.json").read_text())
+    doc["chat"]["prompt_token_ids"] = doc["chat"]["prompt_token_ids"][:-1]
+    (bad / "golden.json").write_text(json.dumps(doc))
+    srv = _serve(models["clean"])
+    try:
+        rc = run_cli("validate", "--endpoint", srv.url, "--reference", bad, "--out", tmp_path / "r",
+                     "--checklist", models["checklist"], "--only", "chat_template_parity")
+    finally:
+        srv.stop()
+    item = json.loads((tmp_path / "r" / "report.json").read_text())["items"][0]
+    assert rc == 1 and item["status"] == "fail" and item["metrics"]["prompt_match"] == 0.0, item
 
 
 def test_golden_from_a_server_that_sends_no_token_ids(models, hf_model, tmp_path, capsys):  # noqa: F811
