@@ -137,7 +137,8 @@ class _Recorder:
 
     def prompt_top(self, ids: Sequence[int]) -> list[dict[int, float]] | None:
         """Top-N logprobs per prompt position (rows 0..T-2 of the prefill logits), or None when the server
-        offers neither ``prompt_logprobs`` nor ``echo``."""
+        offers neither ``prompt_logprobs`` nor ``echo``. Through ``echo`` the alternatives come keyed by text: a
+        row with a text several ids share is left empty (compared nowhere) rather than kept with a hole."""
         run, client = self.run, self.run.client
         body = run._body(prompt=[int(t) for t in ids], max_tokens=1, temperature=0.0)
         if "prompt_logprobs" not in client.dropped:
@@ -155,11 +156,14 @@ class _Recorder:
         lp = _choice(doc)[1]
         if lp is None or len(lp["tokens"]) < len(ids) or len(lp["top_logprobs"]) < len(ids):
             raise EndpointError("malformed", "/v1/completions with echo: the logprobs do not cover the prompt")
-        tops = run._tops(lp["top_logprobs"][1:len(ids)], len(ids) - 1)
+        raw = lp["top_logprobs"][1:len(ids)]
+        tops = run._tops(raw, len(ids) - 1)
         self.prompt_source = ("echo (token_id:N keys)" if all(str(t).startswith("token_id:") for t in lp["tokens"])
                               else "echo (texts mapped through the reference tokenizer)")
         for k, (t, v) in enumerate(zip(ids[1:], lp["token_logprobs"][1:len(ids)])):
-            if isinstance(v, (int, float)):
+            if len(tops[k]) < len(raw[k] or {}):  # a text several ids share was dropped: its top-1 is unknown
+                tops[k] = {}
+            elif isinstance(v, (int, float)):
                 tops[k].setdefault(int(t), float(v))
         return tops
 

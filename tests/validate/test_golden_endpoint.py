@@ -165,3 +165,47 @@ def test_flags_that_run_the_reference_here_are_refused_with_endpoint(models, tmp
                  "--stream")
     assert rc == 2 and "--endpoint records it from a server" in capsys.readouterr().err
     assert not (tmp_path / "g").exists()
+
+
+def test_prompt_logprobs_through_echo_where_prompt_logprobs_is_refused(models):  # noqa: F811
+    """OpenAI's legacy way (echo + logprobs), keyed by token text: rows equal the reference where the texts map to
+    single ids; a row holding a text several ids share stays empty instead of naming a wrong top-1."""
+    from adapt.validate.endpoint import EndpointRunner, TokenMap
+    from adapt.validate.golden_endpoint import _Recorder
+    from adapt.validate.openai_client import Client
+
+    h = HFReference(models["clean"])
+    srv = _serve(models["clean"])
+    try:
+        client = Client(srv.url, dropped={"prompt_logprobs"})
+        tok = Tokenizer.from_dir(models["clean"])
+        rec = _Recorder(EndpointRunner(client, "clean", h.num_layers, h.vocab_size, TokenMap(tok, h.vocab_size)), 5)
+        rows = rec.prompt_top(h.prompts[3])
+    finally:
+        srv.stop()
+    assert rec.prompt_source == "echo (texts mapped through the reference tokenizer)"
+    lp = torch.log_softmax(h.logits(3).double(), -1)
+    full = [t for t, r in enumerate(rows) if r]
+    assert len(rows) == len(h.prompts[3]) - 1 and len(full) >= len(rows) // 2, rows
+    for t in full:
+        assert max(rows[t], key=rows[t].get) == int(lp[t].argmax())
+        assert max(abs(float(lp[t, k]) - v) for k, v in rows[t].items()) < 2e-4
+
+
+def test_api_key_and_served_model_name(models, tmp_path, capsys):  # noqa: F811
+    from adapt.runtime.engine import Engine
+    from adapt.runtime.server import ServiceConfig, start_server
+
+    eng = Engine.from_pretrained(models["clean"], kv_cache_memory=64 << 20, max_model_len=2048)
+    srv = start_server(eng, config=ServiceConfig(model_name="served", api_key="k3y"))
+    try:
+        base = ("validate", "dump", "--endpoint", srv.url, models["clean"], "--long-lengths", "none",
+                "--max-new-tokens", "4", "--prompt-lengths", "8")
+        assert run_cli(*base, "--out", tmp_path / "a") == 2
+        assert "wrong --api-key" in capsys.readouterr().err and not (tmp_path / "a").exists()
+        assert run_cli(*base, "--out", tmp_path / "b", "--api-key", "k3y", "--served-model-name", "other") == 2
+        assert "the endpoint serves served" in capsys.readouterr().err
+        assert run_cli(*base, "--out", tmp_path / "c", "--api-key", "k3y", "--served-model-name", "served") == 0
+    finally:
+        srv.stop()
+    assert json.loads((tmp_path / "c" / "golden.json").read_text())["endpoint"]["served_model_name"] == "served"
