@@ -118,6 +118,7 @@ class _Recorder:
             return None, f"/v1/chat/completions failed: {e}"
         ch = doc.get("choices")
         ids = ch[0].get("prompt_token_ids") if isinstance(ch, list) and ch and isinstance(ch[0], dict) else None
+        ids = ids or doc.get("prompt_token_ids")  # adapt serve sends them in the choice, vLLM at the top level
         if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
             return ids, "server (prompt_token_ids)"
         return None, "the server sends no prompt_token_ids"

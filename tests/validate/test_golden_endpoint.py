@@ -209,3 +209,21 @@ def test_api_key_and_served_model_name(models, tmp_path, capsys):  # noqa: F811
     finally:
         srv.stop()
     assert json.loads((tmp_path / "c" / "golden.json").read_text())["endpoint"]["served_model_name"] == "served"
+
+
+def test_chat_prompt_ids_where_vllm_puts_them():
+    """vLLM sends a chat answer's prompt_token_ids at the top level of the response, adapt serve in the choice."""
+    from types import SimpleNamespace
+
+    from adapt.validate.golden_endpoint import _Recorder
+
+    def runner(doc):
+        client = SimpleNamespace(post_negotiated=lambda *a, **k: doc)
+        return SimpleNamespace(client=client, _body=lambda **kw: kw)
+
+    msg = {"index": 0, "message": {"role": "assistant", "content": "x"}}
+    top = _Recorder(runner({"choices": [msg], "prompt_token_ids": [5, 6, 7]}), 5).chat_prompt_ids(CHAT)
+    inner = _Recorder(runner({"choices": [{**msg, "prompt_token_ids": [5, 6]}]}), 5).chat_prompt_ids(CHAT)
+    none = _Recorder(runner({"choices": [msg]}), 5).chat_prompt_ids(CHAT)
+    assert top == ([5, 6, 7], "server (prompt_token_ids)") and inner == ([5, 6], "server (prompt_token_ids)")
+    assert none == (None, "the server sends no prompt_token_ids")

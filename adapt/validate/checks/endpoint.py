@@ -90,7 +90,7 @@ def chat_template(params: Mapping[str, Any], thresholds: Mapping[str, float], ct
     msg = (ch[0].get("message") or {}) if isinstance(ch[0], dict) else {}
     if not isinstance(msg.get("content"), str):
         raise EndpointError("malformed", f"/v1/chat/completions: no choices[0].message.content: {str(doc)[:200]}")
-    served = ch[0].get("prompt_token_ids")
+    served = ch[0].get("prompt_token_ids") or doc.get("prompt_token_ids")  # adapt: in the choice; vLLM: top level
     m: dict[str, Any] = {}
     if isinstance(served, list):
         m["prompt_match"] = float(served == ref_ids)
