@@ -40,6 +40,10 @@ def run_cmd(
     ep: Annotated[_Deg, typer.Option("--ep", help="Expert-parallel degree.")] = None,
     dp: Annotated[_Deg, typer.Option("--dp", help="Data-parallel degree.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="keep | bf16 | fp16 | fp32 (FP8 is dequantized).")] = "keep",
+    quantize: Annotated[Optional[str], typer.Option("--quantize", help="int8 | int4 | fp8: quantize the linear "
+                        "weights (round-to-nearest; int8 per output channel and int4 in --group-size groups, "
+                        "compressed-tensors; fp8 128x128 blocks, DeepSeek's layout).")] = None,
+    group_size: Annotated[int, typer.Option("--group-size", help="int4: columns per scale.")] = 128,
     max_file_size: Annotated[str, typer.Option("--max-file-size", help="Split rank files at this size.")] = "5GB",
     workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Source files (or rank groups of "
                                          "one) processed at once; 0 = one per core, 8 at most.")] = 0,
@@ -76,7 +80,8 @@ def run_cmd(
         result = shard(ckpt, out, plan_file=plan, **{k: v or 1 for k, v in degrees.items()}, dtype=dtype,
                        max_file_size=parse_size(max_file_size), workers=workers,
                        memory_budget=parse_size(memory_budget, "--memory-budget"), force=force, allow_pickle=allow_pickle,
-                       trust_hub_cache=not rehash_source, progress=progress)
+                       trust_hub_cache=not rehash_source, progress=progress, quantize=quantize,
+                       group_size=group_size)
     finally:
         if bar.live.is_started:
             bar.stop()

@@ -24,7 +24,7 @@ from adapt.shard.checkpoint import Checkpoint, SourceTensor
 from adapt.shard.manifest import OutputFile, OutputTensor
 from adapt.shard.planner import scale_blocks
 from adapt.shard.stream import ByteSlice, buffers, chunk_pieces, pread_into
-from adapt.shard.transform import cast, dequant_slice
+from adapt.shard.transform import cast, dequant_slice, quantize_part
 from adapt.shard.hashing import Batch, SourceHash, sha256_file
 from adapt.shard.writer import ALIGN, STAGE, StreamedFile, io_pool, tensor_bytes
 
@@ -75,6 +75,11 @@ def slice_cost(t: OutputTensor, ckpt: Checkpoint) -> int:
     out = OutputFile("", 0, (t,)).nbytes
     if t.transform == "none":
         return out
+    if t.transform.startswith("quantize:"):  # the slice read, widened to float32, and its quantized parts
+        n = 1
+        for d in t.slice.shape(t.full_shape):
+            n *= d
+        return out + 6 * n
     n = out // max(1, {"float32": 4}.get(t.dtype, 2))
     return out + n * (1 if t.transform == "fp8_block_dequant" else {"float32": 4}.get(t.source_dtype, 2))
 
@@ -88,12 +93,20 @@ def produce(ckpt: Checkpoint, t: OutputTensor, block):
     if t.transform == "cast":
         return cast(w, t.dtype)
     if t.transform == "fp8_block_dequant":
-        if block is None or t.scale is None:
-            raise ShardError(f"{t.source}: FP8 weight without block scales")
-        sc = scale_blocks(s, block, ckpt.tensors[t.scale].shape)
-        scale = ckpt.read(t.scale, sc.dim, sc.start, sc.stop)
-        return dequant_slice(w, scale, block, s.dim, s.start, t.dtype)
+        return _dequant(ckpt, t, w, block, t.dtype)
+    if t.transform.startswith("quantize:"):  # an FP8 source is dequantized (float32) first
+        src = _dequant(ckpt, t, w, block, "float32") if t.scale is not None else w.float()
+        return quantize_part(src, t.transform, t.source, t.name, t.dtype)
     raise ShardError(f"unknown transform {t.transform!r}")
+
+
+def _dequant(ckpt: Checkpoint, t: OutputTensor, w, block, dtype: str):
+    s = t.slice
+    if block is None or t.scale is None:
+        raise ShardError(f"{t.source}: FP8 weight without block scales")
+    sc = scale_blocks(s, block, ckpt.tensors[t.scale].shape)
+    scale = ckpt.read(t.scale, sc.dim, sc.start, sc.stop)
+    return dequant_slice(w, scale, block, s.dim, s.start, dtype)
 
 
 class _Caster:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from adapt.errors import ShardError
-from adapt.layout import WeightLayout
+from adapt.layout import WeightLayout, is_quantizable, quantized_tensors
 from adapt.plan import ParallelPlan, TensorSlice, rank_tensors, scale_slice
 from adapt.shard.checkpoint import Checkpoint
 from adapt.shard.manifest import OutputFile, OutputTensor, rank_dir
-from adapt.shard.transform import plan_transform
+from adapt.shard.transform import Quantize, plan_transform, target_dtype
 from adapt.units import parse_bytes
 
 DEFAULT_MAX_FILE_SIZE = 5 * 10**9
@@ -26,8 +26,9 @@ def parse_size(text: str | int, option: str = "--max-file-size") -> int:
 
 
 def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, rank: int, names: set[str],
-                 dtype_choice: str) -> list[OutputTensor]:
-    """The tensors rank writes, in layout order: slices from adapt.plan, scale blocks by scale_slice."""
+                 dtype_choice: str, quantize: Quantize | None = None) -> list[OutputTensor]:
+    """The tensors rank writes, in layout order: slices from adapt.plan, scale blocks by scale_slice; with
+    ``quantize``, each linear weight's slice as the parts of its quantized form (``quantized_slice``)."""
     scales = {t.scale_of: t for t in layout if t.scale_of is not None}
     block = layout.spec.quant.block_size if layout.spec.quant else None
     out = []
@@ -36,6 +37,9 @@ def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, ran
             continue
         src = ckpt.tensors[t.name]
         scale = scales.get(t.name)
+        if quantize is not None and is_quantizable(t) and quantize.spec.quantizes(t.name):
+            out += quantized_slice(t, s, src, scale, quantize, target_dtype(dtype_choice) or layout.spec.dtype)
+            continue
         quantized = scale is not None and src.dtype == "float8_e4m3fn"
         transform, dtype = plan_transform(src.dtype, dtype_choice, quantized)
         out.append(OutputTensor(t.name, t.name, src.file, s, s.shape(src.shape), src.shape, transform, dtype,
@@ -46,6 +50,22 @@ def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, ran
             out.append(OutputTensor(scale.name, scale.name, ssrc.file, ss, ss.shape(ssrc.shape), ssrc.shape, "none",
                                     ssrc.dtype, ssrc.dtype))
     return out
+
+
+def quantized_slice(t, s: TensorSlice, src, scale, quantize: Quantize, scale_dtype: str) -> list[OutputTensor]:
+    """The parts (weight, scales, shape, as WeightLayout names them) of rank slice ``s`` of linear weight t,
+    quantized on its own: blocks and groups start at the slice's first row and column."""
+    n, k = s.shape(src.shape)
+    g = quantize.group_size
+    if quantize.scheme == "int4" and k % g:
+        raise ShardError(f"{t.name}: --group-size {g} does not divide K = {k}"
+                         + (f" (this rank's columns {s.start}..{s.stop})" if s.dim == 1 else "")
+                         + "; int4 groups must tile each row")
+    fp8_src = scale is not None and src.dtype == "float8_e4m3fn"
+    parts = quantized_tensors(quantize.spec, t.name, (n, k), t.role, t.split, t.layer, t.expert, t.tp_dim,
+                              t.head_size, t.mtp, scale_dtype)
+    return [OutputTensor(p.name, t.name, src.file, s, p.stored_shape, src.shape, quantize.transform, p.stored_dtype,
+                         src.dtype, scale.name if fp8_src else None) for p in parts]
 
 
 def pack_files(rank: int, tensors: list[OutputTensor], max_file_size: int,
@@ -68,7 +88,7 @@ def pack_files(rank: int, tensors: list[OutputTensor], max_file_size: int,
 
 
 def plan_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, names: list[str], dtype_choice: str,
-                 max_file_size: int) -> list[OutputFile]:
+                 max_file_size: int, quantize: Quantize | None = None) -> list[OutputFile]:
     """Every output file of every rank, without sizes and checksums."""
     present = set(names)
     files: list[OutputFile] = []
@@ -78,7 +98,8 @@ def plan_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, nam
         return pos[t.source_file], ckpt.tensors[t.source].offset, t.source, t.name
 
     for rank in range(plan.world_size):
-        files += pack_files(rank, rank_outputs(ckpt, layout, plan, rank, present, dtype_choice), max_file_size,
+        files += pack_files(rank, rank_outputs(ckpt, layout, plan, rank, present, dtype_choice, quantize),
+                            max_file_size,
                             order)
     return files
 

@@ -28,7 +28,7 @@ from adapt.shard.manifest import MANIFEST, Manifest, OutputFile, load_manifest
 from adapt.shard.fanout import Unit, run_unit
 from adapt.shard.iomode import direct_io, env_mode
 from adapt.shard.planner import DEFAULT_MAX_FILE_SIZE, plan_outputs
-from adapt.shard.transform import DTYPE_CHOICES, target_dtype
+from adapt.shard.transform import DTYPE_CHOICES, Quantize, target_dtype
 from adapt.shard.source_hash import hashed_digest, recorded_digest
 from adapt.shard import hashing
 from adapt.shard.writer import AtomicFile, remove_stale_tmp, write_bytes
@@ -104,12 +104,15 @@ def load_plan_file(path: Path, spec: ModelSpec) -> ParallelPlan:
     return ParallelPlan.from_dict(d, spec, source=str(path))
 
 
-def output_config(cfg: dict, dtype_choice: str) -> dict:
-    """The config written beside the shards: dequantized outputs drop quantization_config."""
+def output_config(cfg: dict, dtype_choice: str, quantize: Quantize | None = None) -> dict:
+    """The config written beside the shards: dequantized outputs drop quantization_config; quantized ones
+    (``--quantize``) carry theirs."""
     target = target_dtype(dtype_choice)
+    if quantize is not None:
+        cfg = dict(cfg, quantization_config=quantize.config)
     if target is None:
         return cfg
-    out = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    out = {k: v for k, v in cfg.items() if k != "quantization_config" or quantize is not None}
     for key in ("torch_dtype", "dtype"):
         if key in out or key == "torch_dtype":
             out[key] = target
@@ -204,8 +207,10 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
           pp: int = 1, ep: int = 1, dp: int = 1, plan_file: str | Path | None = None, dtype: str = "keep",
           max_file_size: int = DEFAULT_MAX_FILE_SIZE, workers: int = 0, memory_budget: int = DEFAULT_BUDGET,
           force: bool = False, allow_pickle: bool = False, trust_hub_cache: bool = True,
-          progress: Callable[[int, int], None] | None = None) -> ShardResult:
-    """Shard a checkpoint directory into ``out_dir`` per the plan. ``progress(delta_bytes, total_bytes)``."""
+          progress: Callable[[int, int], None] | None = None, quantize: str | None = None,
+          group_size: int = 128) -> ShardResult:
+    """Shard a checkpoint directory into ``out_dir`` per the plan. ``progress(delta_bytes, total_bytes)``.
+    ``quantize``: int8 | int4 | fp8, round-to-nearest (transform.Quantize; int4 in groups of ``group_size``)."""
     t0 = time.perf_counter()
     src_dir, out = Path(checkpoint), Path(out_dir)
     if dtype not in DTYPE_CHOICES:
@@ -216,6 +221,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     hashing.native()  # and the native sha256 is built (once per host) or its absence stated
     cfg = read_config(Path(src_dir) / "config.json")
     spec = ModelSpec.from_hf_config(cfg, name=src_dir.name)
+    quant = Quantize.make(quantize, group_size) if quantize else None
     if spec.quant is not None and spec.quant.method != "fp8":
         raise ShardError(f"{src_dir}: adapt shard does not slice {spec.quant.method} ({spec.quant.fmt}) checkpoints "
                          "yet; adapt run reads them directly")
@@ -228,7 +234,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         plan_mod.coverage(layout, plan)
     ckpt, _ = open_checkpoint(src_dir, allow_pickle)
     names = check_against_layout(ckpt, layout)
-    files = plan_outputs(ckpt, layout, plan, names, dtype, max_file_size)
+    files = plan_outputs(ckpt, layout, plan, names, dtype, max_file_size, quant)
     block = spec.quant.block_size if spec.quant else None
     src_stat = {f: (src_dir / f).stat() for f in ckpt.files}
     sources = [dict(name=f, size=s.st_size) for f, s in src_stat.items()]
@@ -326,7 +332,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         journal.f.close()
         ckpt.close()
     src_entries = [src_entries[name] for name in ckpt.files]
-    extra = _copy_side_files(src_dir, out, cfg, dtype)
+    extra = _copy_side_files(src_dir, out, cfg, dtype, quant)
     manifest = Manifest(spec.name, spec.model_type, plan.to_dict(), dtype, max_file_size, str(src_dir.resolve()),
                         cfg, tuple(src_entries), tuple(done[f.path] for f in files), tuple(extra), block)
     with AtomicFile(out / MANIFEST) as mf:  # the commit point
@@ -336,10 +342,10 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
                        time.perf_counter() - t0, workers, io, hashing.status())
 
 
-def _copy_side_files(src: Path, out: Path, cfg: dict, dtype: str) -> list[dict]:
+def _copy_side_files(src: Path, out: Path, cfg: dict, dtype: str, quant: Quantize | None = None) -> list[dict]:
     """config.json (rewritten for the output dtype) and tokenizer files, beside the rank directories."""
     entries = []
-    size, sha = write_bytes(out / "config.json", (json.dumps(output_config(cfg, dtype), indent=2) + "\n").encode())
+    size, sha = write_bytes(out / "config.json", (json.dumps(output_config(cfg, dtype, quant), indent=2) + "\n").encode())
     entries.append(dict(path="config.json", size=size, sha256=sha))
     for name in COPY_FILES:
         p = src / name

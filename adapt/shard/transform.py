@@ -7,14 +7,53 @@ bm x bn block (edge blocks are partial when R or C is not a multiple of the bloc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from adapt.spec import ceil_div
+from adapt.errors import ShardError
+from adapt.spec import QuantSpec, ceil_div
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: a pure-slicing run never loads it (~0.8 s)
     import torch
 
 DTYPE_CHOICES = ("keep", "bf16", "fp16", "fp32")
+QUANTIZE_CHOICES = ("int8", "int4", "fp8")
+
+
+@dataclass(frozen=True)
+class Quantize:
+    """``--quantize``: round-to-nearest int8 per output channel, int4 in groups of ``group_size`` (symmetric,
+    compressed-tensors), or fp8 in 128 x 128 blocks (DeepSeek's layout); ``spec``: the output's QuantSpec."""
+
+    scheme: str
+    group_size: int
+    spec: QuantSpec
+
+    @classmethod
+    def make(cls, scheme: str, group_size: int = 128) -> "Quantize":
+        from adapt.hf_config import _quant
+
+        if scheme not in QUANTIZE_CHOICES:
+            raise ShardError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}; got {scheme!r}")
+        if group_size < 1:
+            raise ShardError(f"--group-size must be a positive number of columns; got {group_size}")
+        return cls(scheme, group_size, _quant({"quantization_config": cls.config_of(scheme, group_size)}))
+
+    @staticmethod
+    def config_of(scheme: str, group_size: int) -> dict:
+        from adapt.quantize import quantization_config
+
+        return quantization_config(scheme, group=group_size)
+
+    @property
+    def config(self) -> dict:
+        """The output config.json's quantization_config."""
+        return self.config_of(self.scheme, self.group_size)
+
+    @property
+    def transform(self) -> str:
+        """The manifest's transform: quantize:int8 | quantize:int4:g128 | quantize:fp8."""
+        return f"quantize:{self.scheme}" + (f":g{self.group_size}" if self.scheme == "int4" else "")
 _TARGET = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
 _CHUNK_BYTES = 64 << 20  # rows of a dequantized slice processed at once
@@ -86,3 +125,18 @@ def reference_dequant(w: "torch.Tensor", scale: "torch.Tensor", block: tuple[int
     padded[:rows, :cols] = w.float()
     blocks = padded.view(rb, bm, cb, bn) * scale.float().view(rb, 1, cb, 1)
     return blocks.view(rb * bm, cb * bn)[:rows, :cols].to(getattr(torch, dtype))
+
+
+def quantize_part(w: "torch.Tensor", transform: str, weight: str, part: str, scale_dtype: str) -> "torch.Tensor":
+    """Output tensor ``part`` of weight slice ``w`` (float) under a ``quantize:...`` transform."""
+    import torch
+
+    from adapt.quantize import quantized_parts
+
+    bits = transform.split(":")
+    group = int(bits[2][1:]) if len(bits) > 2 else None
+    sd = getattr(torch, scale_dtype)  # a scale part's dtype; the other parts' scales are not kept
+    parts = quantized_parts(bits[1], weight, w, group=group, scale_dtype=sd if sd.is_floating_point else None)
+    if part not in parts:
+        raise ShardError(f"{weight}: {transform} makes no tensor {part!r}")
+    return parts[part]

@@ -23,7 +23,7 @@ from adapt.shard.checkpoint import IGNORED_SUFFIXES, open_checkpoint
 from adapt.shard.header import read_header
 from adapt.shard.manifest import Manifest, OutputTensor, check_rel_path, load_manifest
 from adapt.shard.stream import CHUNK, iter_slice, pread_into
-from adapt.shard.transform import reference_dequant
+from adapt.shard.transform import quantize_part, reference_dequant
 from adapt.shard.hashing import buffer_address, sha256_file, sha256_files
 from adapt.spec import ModelSpec
 
@@ -103,7 +103,8 @@ def _check_plan(m: Manifest, rep: VerifyReport) -> None:
             weight = layout.by_name[spec_t.scale_of] if spec_t.scale_of else spec_t
             ws = tensor_slice(weight, plan, f.rank, spec)
             want = None if ws is None else (scale_slice(ws, spec_t, block) if spec_t.scale_of else ws)
-            if want != t.slice or t.name != t.source:
+            renamed = t.name != t.source and not t.transform.startswith("quantize:")  # quantized: its parts
+            if want != t.slice or renamed:
                 rep.add("plan", t.name, f"rank {f.rank} holds {_fmt(t.slice)} but the plan gives "
                         f"{'nothing' if want is None else _fmt(want)}")
 
@@ -306,10 +307,15 @@ def _check_source(m: Manifest, out: Path, src: Path, good: set[str], rep: Verify
                         ref = full.to(getattr(torch, t.dtype))
                     elif t.transform == "fp8_block_dequant" and block and t.scale in ckpt.tensors:
                         ref = reference_dequant(full, ckpt.read(t.scale), block, t.dtype)
+                    elif t.transform.startswith("quantize:") and (t.scale is None or (block and t.scale in ckpt.tensors)):
+                        ref = full.float() if t.scale is None else reference_dequant(full, ckpt.read(t.scale), block,
+                                                                                    "float32")
                     else:
                         rep.add("source", t.name, f"cannot check transform {t.transform!r}")
                         continue
                     want = ref if s.whole else ref.narrow(s.dim, s.start, s.stop - s.start)
+                    if t.transform.startswith("quantize:"):  # the slice quantized again, part by part
+                        want = quantize_part(want, t.transform, t.source, t.name, t.dtype)
                     if path not in handles:
                         handles[path] = safe_open(str(out / path), framework="pt")
                     same = _bitwise_equal(handles[path].get_tensor(t.name), want)

@@ -196,6 +196,11 @@ RULES: list[Rule] = [
     Rule(r"^adapt run k2-tp2ep2 --nproc 2 .*--collective-stats$", _remember_nproc),
     Rule(r"^torchrun --nproc-per-node 2 -m adapt run k2-tp2ep2 ", _torchrun_equals_nproc),
     # adapt run
+    Rule(r"^adapt init-model tiny-llama \./tiny-llama$", _ok(files=("tiny-llama/config.json",))),
+    Rule(r"^adapt shard \./tiny-llama --out \./tiny-llama-int4 --quantize int4 --group-size 32$",
+         _shard(1, "tiny-llama-int4")),
+    Rule(r"^adapt run \./tiny-llama-int4 --prompt-ids 1,2,3 --format json \| jq \.stats\.weights$",
+         _ok("int4 g32", stream="out")),
     Rule(r"^adapt init-model tiny-k2 \./tiny-k2$", _ok(files=("tiny-k2/config.json", "tiny-k2/tokenizer.json"))),
     Rule(r"^adapt run \./tiny-k2 --prompt \"Hello there\" --prompt \"The quick brown fox\" --max-tokens 16$",
          lambda r: _assert(len(_tokens(r)) >= 2, r.stdout)),
