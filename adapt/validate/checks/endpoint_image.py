@@ -65,7 +65,8 @@ def endpoint_image(params: Mapping[str, Any], thresholds: Mapping[str, float], c
         ids = tok.encode_chat([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}])
         ids = expand_placeholders(ids, [SimpleNamespace(num_tokens=count)], v.image_token_id)
         want = _reference_run(hf, v, ids, pixels, grid, n)[1]
-        served_prompt, served = ch.get("prompt_token_ids"), ch.get("token_ids")
+        served_prompt = ch.get("prompt_token_ids") or doc.get("prompt_token_ids")  # adapt: the choice; vLLM: top
+        served = ch.get("token_ids")
         row: dict[str, Any] = {"image": name, "size": list(im.size), "reference_tokens": count}
         lps = [e.get("logprob") for e in ((ch.get("logprobs") or {}).get("content") or []) if isinstance(e, dict)]
         same = next((j for j, (a, b) in enumerate(zip(served or [], want)) if a != b), min(len(served or []), n))
