@@ -4,6 +4,7 @@ import pytest
 
 from adapt.builtin import BUILTIN_CONFIGS
 from adapt.plan import ParallelPlan, check_divisibility, layout_of
+from adapt.quantize import quantization_config
 from adapt.errors import PlanError
 from adapt.profile.planner.search import layouts
 from adapt.profile.planner.weights import per_layer, reference_rank_bytes, stage_weights
@@ -13,7 +14,9 @@ from tests.fixtures.tiny import MULTIMODAL, TINY, tiny_config
 CASES = {**{k: tiny_config(k) for k in list(TINY) + list(MULTIMODAL)},
          **{k: dict(v) for k, v in BUILTIN_CONFIGS.items()},
          "deepseek_v3_fp8": tiny_config("deepseek_v3", num_nextn_predict_layers=1, quantization_config=dict(
-             quant_method="fp8", fmt="e4m3", weight_block_size=[8, 8]))}
+             quant_method="fp8", fmt="e4m3", weight_block_size=[8, 8])),
+         "llama_int4": tiny_config("llama", quantization_config=quantization_config("int4", group=8, symmetric=False)),
+         "deepseek_v3_int8": tiny_config("deepseek_v3", quantization_config=quantization_config("int8"))}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -76,6 +76,10 @@ def test_fp8_output_and_fp8_source_to_int4(tmp_path, llama):
     rep = verify(out4, source=src)
     assert rep.ok, [p.line() for p in rep.problems]
     e4 = Engine.from_pretrained(out4, dtype="float32")
+    assert {m.kind for m in e4.model.modules() if isinstance(m, QuantizedWeight)} == {"int4"}
+    from adapt.runtime.models.moe import experts_form
+
+    assert experts_form(e4.model) == "quantized (int4 g16)"
     t4 = Engine.from_pretrained(out4, dtype="float32", kernels="reference")
     assert torch.allclose(e4.prefill_logits(PROMPT), t4.prefill_logits(PROMPT), atol=1e-5, rtol=1e-5)
 
@@ -88,3 +92,19 @@ def test_bad_quantize_options(llama, tmp_path):
     with pytest.raises(ShardError, match=r"o_proj.weight: --group-size 32 does not divide K = 48"):
         shard(llama, out, tp=2, quantize="int4", group_size=32)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_runtime_weight_bytes_match_profile(llama, tmp_path, scheme):
+    """stats.weight_bytes (resident, measured) against `adapt profile`'s weights line (from the layout: the
+    stored bytes of each format, scales included): within 2%."""
+    import subprocess
+    import sys
+
+    out = tmp_path / scheme
+    shard(llama, out, quantize=scheme, group_size=32)
+    prof = subprocess.run([sys.executable, "-m", "adapt", "profile", str(out), "--format", "json"],
+                          capture_output=True, text=True, check=True)
+    want = json.loads(prof.stdout)["memory"]["weights_bytes"]
+    got = Engine.from_pretrained(out, dtype="float32").weight_bytes
+    assert abs(got - want) <= 0.02 * want, (got, want)

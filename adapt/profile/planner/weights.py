@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass
 
 from adapt.errors import PlanError
-from adapt.layout import TensorSpec, WeightLayout, is_quantizable
+from adapt.layout import TensorSpec, WeightLayout, is_quantizable, quantized_tensors
 from adapt.plan import layout_of
 from adapt.spec import ModelSpec, ceil_div, dtype_bytes
 
@@ -103,6 +103,11 @@ def tensor_cost(shape: tuple[int, ...], dtype: str, scaled: bool, quantizable: b
     if weights_dtype is None:
         b = n * dtype_bytes(dtype)
         fp8 = scaled
+        if scaled and spec.quant is not None and spec.quant.method != "fp8" and len(shape) == 2:
+            # compressed-tensors: its scales (zero points, shape) as the layout stores them for this slice
+            parts = quantized_tensors(spec.quant, "w.weight", tuple(shape), "", "replicated", None, None, None,
+                                      None, False, spec.dtype)
+            return sum(p.nbytes for p in parts)
     elif quantizable:
         b = n * dtype_bytes(weights_dtype)
         fp8 = weights_dtype == FP8

@@ -42,6 +42,8 @@ def experts_form(model: nn.Module) -> str | None:
                 ext = fused.installed()
                 how = ext.moe_tiled_bf16_gemm() if m.tiled[0].dtype == torch.bfloat16 and ext is not None else "fma"
                 f = f"tiled ({how})"
+            elif m.quantized_experts is not None:
+                f = f"quantized ({m.quantized_experts.form()})"
             else:
                 f = "oneDNN packed" if m.packed is not None else "stacked"
             if f not in forms:
@@ -94,6 +96,7 @@ class MoE(nn.Module):
         self.tiled: nn.ParameterList | None = None  # [gate_up, down] packed by pack_experts
         self._tiled_pair: tuple[torch.Tensor, torch.Tensor] | None = None  # the same two, read by run_experts
         self.router_panels: torch.Tensor | None = None  # the softmax router's weight in panels (pack_experts)
+        self.quantized_experts = None  # runtime/quant/experts.py, set by quant.load.prepare
         self._names = [(n(i, "expert_gate", x), n(i, "expert_up", x), n(i, "expert_down", x)) for x in self.experts]
         self.shared = (DenseMLP(n, i, h, m.shared_intermediate_size, ctx, kind="shared")
                        if m.num_shared_experts and m.shared_intermediate_size else None)
@@ -169,6 +172,8 @@ class MoE(nn.Module):
 
     def run_experts(self, k, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts this rank holds on x [T, H] (weights [T, K], global ids [T, K])."""
+        if self.quantized_experts is not None:  # held as the checkpoint stores them (runtime/quant/experts.py)
+            return self.quantized_experts(x, weights, ids)
         if self._tiled_pair is not None:
             gu, dn = self._tiled_pair
             return k.moe_experts_tiled(x, weights, ids, gu, dn, self.expert_offset, TACTICS.run)

@@ -4,7 +4,8 @@
 (all the sources fused into it) the layout says are stored quantized gets a :class:`QuantizedWeight` in place
 of its ``weight`` parameter, so that the float weight is never allocated. ``QuantLoaders`` then maps every
 stored tensor name (the weight, its scales, zero points and shape: ``WeightLayout``'s companions) to a
-loader. Weights that a layer reads as a plain tensor (MLA's kv_b_proj, routers, stacked MoE experts) and every
+loader; an MoE layer whose experts are all stored quantized gets QuantizedExperts (experts.py). Weights that a
+layer reads as a plain tensor (MLA's kv_b_proj, routers) and every
 weight under ``--weights-dtype bf16|fp16|fp32`` are dequantized at load instead: the parts of one weight are
 gathered as they arrive, then the layer's own loader takes the float32 result.
 
@@ -73,9 +74,11 @@ def prepare(model: nn.Module, spec: ModelSpec, layout: WeightLayout, slice_of: S
     """Give every linear whose matrices are all stored quantized a QuantizedWeight (on the meta device, before
     ``materialize``); returns how many. ``slice_of(t)``: the slice of t this rank reads (None: whole)."""
     quant = quantized_weights(layout)
-    kind = kind_of(spec)
     n_done = 0
     for m in list(model.modules()):
+        if _experts(m, spec, quant, slice_of, fused):
+            n_done += 1
+            continue
         w = m._parameters.get("weight") if isinstance(m, nn.Module) else None
         if (not getattr(m, "packable", False) or getattr(m, "tied", None) is not None or w is None
                 or w.dim() != 2):
@@ -84,16 +87,40 @@ def prepare(model: nn.Module, spec: ModelSpec, layout: WeightLayout, slice_of: S
         if not srcs or not all(name in quant for name, _, _ in srcs):
             continue
         n, k = w.shape
-        rb, bk = _blocks(spec, k)
-        zero = any(c.name.endswith("weight_zero_point") for name, _, _ in srcs for c in quant[name][1])
-        if rb > 1:  # block rows must start on a block edge in the fused weight and in the checkpoint
-            starts = [(row, slice_of(quant[name][0])) for name, row, _ in srcs]
-            if any(row % rb or (sl is not None and sl.dim == 0 and sl.start % rb) for row, sl in starts):
-                rb = 1
         del m._parameters["weight"]
-        m.weight = QuantizedWeight(kind, n, k, rb, bk, zero, srcs, fused)
+        m.weight = _held(spec, quant, srcs, n, k, slice_of, fused)
         n_done += 1
     return n_done
+
+
+def _held(spec: ModelSpec, quant: dict, srcs: list[tuple[str, int, int]], n: int, k: int, slice_of: SliceOf,
+          fused: bool) -> QuantizedWeight:
+    """The QuantizedWeight of an [n, k] weight fused from ``srcs`` (name, first row, rows)."""
+    rb, bk = _blocks(spec, k)
+    zero = any(c.name.endswith("weight_zero_point") for name, _, _ in srcs for c in quant[name][1])
+    if rb > 1:  # block rows must start on a block edge in the fused weight and in the checkpoint
+        starts = [(row, slice_of(quant[name][0])) for name, row, _ in srcs]
+        if any(row % rb or (sl is not None and sl.dim == 0 and sl.start % rb) for row, sl in starts):
+            rb = 1
+    return QuantizedWeight(kind_of(spec), n, k, rb, bk, zero, srcs, fused)
+
+
+def _experts(m: nn.Module, spec: ModelSpec, quant: dict, slice_of: SliceOf, fused: bool) -> bool:
+    """An MoE layer's stacked experts -> QuantizedExperts, where every expert weight it holds is quantized."""
+    names = getattr(m, "_names", None)
+    gu = m._parameters.get("w_gate_up") if hasattr(m, "quantized_experts") else None
+    if names is None or gu is None or not all(x in quant for trio in names for x in trio):
+        return False
+    from adapt.runtime.quant.experts import QuantizedExperts
+
+    _, i2, h = gu.shape
+    inter = i2 // 2
+    gate_up = [_held(spec, quant, [(g, 0, inter), (u, inter, inter)], i2, h, slice_of, fused) for g, u, _ in names]
+    down = [_held(spec, quant, [(d, 0, h)], h, inter, slice_of, fused) for _, _, d in names]
+    del m._parameters["w_gate_up"], m._parameters["w_down"]
+    m.w_gate_up = m.w_down = None
+    m.quantized_experts = QuantizedExperts(gate_up, down, m.expert_offset)
+    return True
 
 
 def _cut(s: torch.Tensor, sl: TensorSlice | None, rows: int, block: tuple[int, int], rb: int, name: str,

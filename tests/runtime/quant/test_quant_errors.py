@@ -44,9 +44,10 @@ def test_missing_scale(fp8_dir, tmp_path, capsys, _cli):
 
 
 def test_misshaped_scale(fp8_dir, tmp_path, capsys, _cli):
-    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"  # dequantized at load (stacked experts)
-    other = "model.layers.0.mlp.up_proj.weight_scale_inv"  # held quantized
-    for n in (name, other):
+    names = ("model.layers.1.self_attn.kv_b_proj.weight_scale_inv",  # dequantized at load (read as a tensor)
+             "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv",  # held quantized (QuantizedExperts)
+             "model.layers.0.mlp.up_proj.weight_scale_inv")  # held quantized (a linear)
+    for n in names:
         d = tmp_path / n.replace(".", "_")
 
         def change(ts, n=n):

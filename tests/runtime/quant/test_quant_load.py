@@ -40,6 +40,7 @@ def test_fp8_deepseek_v3_runs_directly_and_matches_transformers(tmp_path, block)
     assert got == want
     st = eng.last_stats
     assert st["weight_bytes"] == eng.weight_bytes
+    assert st["moe_experts"].startswith("quantized (fp8")  # routed experts stay fp8 too
     forms = st["weights"]["quantized"]
     assert sum(g["tensors"] for g in forms.values()) == len(held)
 
