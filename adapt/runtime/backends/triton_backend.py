@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -33,9 +34,22 @@ def _probe(device_type: str, dtype: torch.dtype) -> str | None:
     if device_type == "cpu":
         if not interpreting():
             return "Triton runs on CPU tensors only under its interpreter (TRITON_INTERPRET=1)"
+        if _imported_compiled():
+            return ("triton was imported before TRITON_INTERPRET=1 was set in this process: set it before "
+                    "the process starts")
         if dtype != torch.float32:
             return "Triton's interpreter has no bfloat16 / float16 arithmetic here; use --dtype float32"
     return None
+
+
+def _imported_compiled() -> bool:
+    """Triton fixes at its first import whether its language functions run interpreted; a process that imported
+    it before turning the interpreter on cannot run the kernels on CPU."""
+    tl = sys.modules.get("triton.language")
+    if tl is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+    return not isinstance(getattr(tl, "sum", None), InterpretedFunction)
 
 
 # op -> (module under adapt.runtime.kernels.triton, what it is)

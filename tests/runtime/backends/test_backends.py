@@ -115,3 +115,19 @@ def test_operator_alignment_runs_every_registered_backend_against_its_twin(acme,
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         out = operator_alignment({"kernels": ["rms_norm", "apply_rope"]}, {}, SimpleNamespace(dtype="float32"))
         assert out.metrics["backend.triton.ops_checked"] == 2 and out.metrics["apply_rope[triton].max_abs"] <= 1e-5
+
+
+@pytest.mark.skipif(triton_backend.missing() is not None, reason="triton is not installed")
+def test_triton_imported_before_the_interpreter_was_on_is_named():
+    import subprocess
+    import sys
+
+    code = ("import os, torch, triton\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from adapt.errors import RuntimeConfigError\n"
+            "from adapt.runtime.backends import choose\n"
+            "try:\n    choose('triton', 'cpu', torch.float32)\n"
+            "except RuntimeConfigError as e:\n    print(e)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "triton was imported before TRITON_INTERPRET=1 was set" in out.stdout, out.stdout + out.stderr
