@@ -1,0 +1,172 @@
+"""Decode with weights held quantized (int8 per channel, int4 groups) against bf16 on the same model, adapt's engine.
+
+Builds the dense ~120M llama-shaped model and the MoE model of bench/runtime_bench.py (its builders), writes
+int8 and int4 copies of each with ``adapt shard --quantize`` (the same function in-process; compressed-tensors,
+lm_head kept unquantized as that format's default ``ignore`` does), and times batch-1 and batch-16 greedy
+decode tokens/s of the three forms in rounds that alternate bf16 / int8 / int4, so that all see the same state
+of a shared host; each ratio is the median of the per-round ratios. Prints one JSON document with the weight
+bytes each form holds and the goals (issue 30: int8 >= 1.6x and int4 >= 2.5x bf16 at batch 1).
+
+llama.cpp's Q8_0 / Q4_0 are the second peer only where ``import llama_cpp`` works and a GGUF of the same
+weights is given (``--gguf-dir`` holding dense-q8_0.gguf / dense-q4_0.gguf): this bench installs and converts
+nothing itself, and says which of the two is missing.
+
+    python bench/quant_bench.py [--models dense,moe] [--decode-tokens 32] [--rounds 5] [--group-size 128]
+    python bench/quant_bench.py --smoke   # tiny models, one round: checks the bench runs, no figures to read
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runtime_bench import DENSE, MOE, build  # noqa: E402
+
+from adapt.runtime.engine import Engine  # noqa: E402
+from adapt.runtime.sampling import SamplingParams  # noqa: E402
+from adapt.runtime.tactics import host  # noqa: E402
+from adapt.shard.run import shard  # noqa: E402
+
+FORMS = ("bf16", "int8", "int4")
+GOALS_B1 = {"int8": 1.6, "int4": 2.5}
+SMOKE = {"dense": dict(DENSE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512),
+         "moe": dict(MOE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts=8, moe_intermediate_size=32)}
+
+
+def prompts(b, n, seed, vocab):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, min(30000, vocab), (b, n), generator=g).tolist()
+
+
+def decode_tok_s(eng, ps, n) -> float:
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    eng.generate(ps, sp)
+    return eng.last_stats["decode_tokens_per_s"]
+
+
+def llama_cpp_peer(name, batch_sizes, args, vocab):
+    """Q8_0 / Q4_0 batch-1 decode tok/s through llama-cpp-python, or why there is no such figure."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return {"absent": "llama-cpp-python is not installed (import llama_cpp failed); this bench installs nothing"}
+    if not args.gguf_dir:
+        return {"absent": "llama_cpp imports, but no --gguf-dir with GGUFs of these weights was given"}
+    out = {}
+    for q in ("q8_0", "q4_0"):
+        f = Path(args.gguf_dir) / f"{name}-{q}.gguf"
+        if not f.exists():
+            out[q] = {"absent": f"{f} not found"}
+            continue
+        llm = llama_cpp.Llama(model_path=str(f), n_ctx=256, n_threads=torch.get_num_threads(), verbose=False)
+        toks = prompts(1, 16, 1, vocab)[0]
+        n = args.decode_tokens
+        ts = []
+        for _ in range(args.rounds):
+            llm.reset()
+            llm.eval(toks)
+            t = time.perf_counter()
+            for _ in range(n):
+                tok = llm.sample(temp=0.0)
+                llm.eval([tok])
+            ts.append(n / (time.perf_counter() - t))
+        out[q] = {"b1_tok_s": round(statistics.median(ts), 2)}
+    return out
+
+
+def bench_model(name, cfg, args, tmp: Path):
+    hf, n_params = build(cfg, tmp / name)
+    del hf
+    src = tmp / name
+    paths = {"bf16": src}
+    for q in ("int8", "int4"):
+        t = time.perf_counter()
+        shard(src, tmp / f"{name}-{q}", quantize=q, group_size=args.group_size)
+        print(f"# {name}: shard --quantize {q} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+        paths[q] = tmp / f"{name}-{q}"
+    engines = {f: Engine.from_pretrained(paths[f], dtype="bfloat16", kv_cache_memory="512MiB") for f in FORMS}
+    res = {"params": n_params}
+    n = args.decode_tokens
+    for f, eng in engines.items():
+        decode_tok_s(eng, prompts(1, 8, 0, cfg["vocab_size"]), 4)  # warm-up, and last_stats filled
+        res.setdefault("weight_bytes", {})[f] = eng.weight_bytes  # resident, as stats.weight_bytes reports
+        res.setdefault("weights", {})[f] = eng.weights_held
+    for b in args.batches:
+        ps = prompts(b, 16, b, cfg["vocab_size"])
+        for eng in engines.values():
+            decode_tok_s(eng, ps, n)  # warm-up at this batch
+        rounds = []
+        for r in range(args.rounds):
+            order = FORMS if r % 2 == 0 else FORMS[::-1]  # alternate, so no form always runs after another
+            rounds.append({f: decode_tok_s(engines[f], ps, n) for f in order})
+        row = {f"{f}_tok_s": round(statistics.median(x[f] for x in rounds), 2) for f in FORMS}
+        for q in ("int8", "int4"):
+            row[f"{q}_vs_bf16"] = round(statistics.median(x[q] / x["bf16"] for x in rounds), 3)
+            row[f"{q}_vs_bf16_per_round"] = [round(x[q] / x["bf16"], 3) for x in rounds]
+        res[f"decode_b{b}"] = row
+    # the batch-1 ceiling weight bytes set, if decode read nothing but the weights once a token
+    wb = res["weight_bytes"]
+    res["bytes_ratio_vs_bf16"] = {q: round(wb["bf16"] / wb[q], 3) for q in ("int8", "int4")}
+    res["llama_cpp"] = llama_cpp_peer(name, args.batches, args, cfg["vocab_size"])
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--gguf-dir", default="", help="GGUFs of the same weights: {model}-q8_0.gguf / {model}-q4_0.gguf")
+    ap.add_argument("--smoke", action="store_true", help="tiny models, one round, 4 tokens: the bench runs")
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfgs = {"dense": DENSE, "moe": MOE}
+    if args.smoke:
+        cfgs, args.rounds, args.decode_tokens, args.group_size = SMOKE, 1, 4, 32
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in names if m not in cfgs]
+    if bad:
+        sys.exit(f"quant_bench: --models takes dense and/or moe; got {','.join(bad)}")
+    import transformers
+
+    report = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "python": platform.python_version()},
+              "hardware": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                           "host": host()},
+              "settings": {"decode_tokens": args.decode_tokens, "rounds": args.rounds, "group_size": args.group_size,
+                           "smoke": args.smoke}}
+    goals = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            res = bench_model(name, cfgs[name], args, Path(tmp))
+            report[name] = res
+            if 1 in args.batches:
+                for q, g in GOALS_B1.items():
+                    goals[f"{name}: {q} b1 >= {g}x bf16"] = res["decode_b1"][f"{q}_vs_bf16"] >= g
+    from adapt.runtime import cpu_kernels
+
+    report["hardware"]["cpu_kernels"] = cpu_kernels.status()
+    report["goals_met"] = goals
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
