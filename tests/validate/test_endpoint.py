@@ -24,19 +24,15 @@ ENDPOINT_ITEMS = ["greedy_token_match", "logprob_closeness", "long_context_ladde
                   "chat_template_parity", "batch_invariance", "serving_load"]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from adapt.runtime.init_model import init_model
-
-    root = tmp_path_factory.mktemp("ep")
-    clean = Path(init_model("tiny-llama", root / "clean"))
+def endpoint_models(root: Path, clean: Path) -> dict:
+    """The clean checkpoint, its copy with layer-1 o_proj scaled by 1.05, and the shipped checklist with the
+    ladder at lengths a CPU test affords."""
     oproj = root / "oproj"
     shutil.copytree(clean, oproj)
     t = load_file(oproj / "model.safetensors")
     k = "model.layers.1.self_attn.o_proj.weight"
     t[k] = t[k] * 1.05
     save_file(t, oproj / "model.safetensors", metadata={"format": "pt"})
-    # the ladder at lengths a CPU test affords; the rest of day0 as shipped
     doc = yaml.safe_load(default_checklist_path().read_text())
     for s in doc["sections"]:
         for it in s["items"]:
@@ -45,6 +41,14 @@ def models(tmp_path_factory):
     cl = root / "checklist.yaml"
     cl.write_text(yaml.safe_dump(doc))
     return {"clean": clean, "oproj": oproj, "checklist": cl}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from adapt.runtime.init_model import init_model
+
+    root = tmp_path_factory.mktemp("ep")
+    return endpoint_models(root, Path(init_model("tiny-llama", root / "clean")))
 
 
 def _serve(path: Path, max_model_len: int = 2048):

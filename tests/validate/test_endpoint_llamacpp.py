@@ -8,11 +8,9 @@ the checklist's prompts are token ids. The GGUF of the copy whose layer-1 o_proj
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("gguf", reason="gguf is not installed (pip install gguf)")
@@ -21,7 +19,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip 
 
 from tests.fixtures.gguf_llama import LlamaCppModel, write_llama_gguf  # noqa: E402
 from tests.fixtures.openai_server import FixtureServer  # noqa: E402
-from tests.validate.test_endpoint import _status, _validate  # noqa: E402
+from tests.validate.test_endpoint import _status, _validate, endpoint_models  # noqa: E402
 
 ITEMS = ["greedy_token_match", "logprob_closeness", "long_context_ladder", "service_api", "chat_template_parity",
          "batch_invariance", "serving_load"]
@@ -29,10 +27,7 @@ ITEMS = ["greedy_token_match", "logprob_closeness", "long_context_ladder", "serv
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    import yaml
-
     from adapt.runtime.init_model import init_model
-    from adapt.validate.checklist import default_checklist_path
 
     root = tmp_path_factory.mktemp("lcpp")
     clean = Path(init_model("tiny-llama", root / "clean"))
@@ -40,21 +35,9 @@ def llama(tmp_path_factory):
     cfg.pop("rope_scaling", None)
     cfg["max_position_embeddings"] = 1024
     (clean / "config.json").write_text(json.dumps(cfg, indent=2))
-    oproj = root / "oproj"
-    shutil.copytree(clean, oproj)
-    t = load_file(oproj / "model.safetensors")
-    k = "model.layers.1.self_attn.o_proj.weight"
-    t[k] = t[k] * 1.05
-    save_file(t, oproj / "model.safetensors", metadata={"format": "pt"})
-    doc = yaml.safe_load(default_checklist_path().read_text())
-    for s in doc["sections"]:
-        for it in s["items"]:
-            if it["id"] == "long_context_ladder":
-                it["params"]["lengths"] = [128, 512]
-    cl = root / "checklist.yaml"
-    cl.write_text(yaml.safe_dump(doc))
-    return {"clean": clean, "oproj": oproj, "checklist": cl,
-            "gguf": write_llama_gguf(clean, root / "clean.gguf"), "gguf_bad": write_llama_gguf(oproj, root / "o.gguf")}
+    m = endpoint_models(root, clean)
+    return m | {"gguf": write_llama_gguf(clean, root / "clean.gguf"),
+                "gguf_bad": write_llama_gguf(m["oproj"], root / "o.gguf")}
 
 
 def test_llama_cpp_server_passes_and_its_o_proj_copy_fails(llama, tmp_path):
