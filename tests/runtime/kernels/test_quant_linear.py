@@ -36,6 +36,25 @@ def test_fused_matches_twin_float32(kernel_form, kind, g, m, n, k):
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
 
 
+@pytest.mark.parametrize("kind,g", [("fp8", 128), ("fp8", 16), ("int8", 0), ("int4", 32), ("int4", 16), ("int4", 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_equal_their_batch_rows(kernel_form, kind, g, dtype):
+    # fused: 1-4 rows take the decode path (packed bytes dequantized in registers), 19 the buffered one, and
+    # give the same bits (torch's GEMM is not batch-invariant: the twin is held to the tolerance only)
+    n, k = 37, 200
+    q, s, z, rb, bk = _weights(kind, n, k, g)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    full = quant_linear(x, kind, q, s, z, rb, bk, k, bias)
+    for m in (1, 2, 3, 4):
+        part = quant_linear(x[:m], kind, q, s, z, rb, bk, k, bias)
+        if kernel_form == "fused":
+            assert torch.equal(part, full[:m]), (m, (part - full[:m]).abs().max())
+        if dtype == torch.float32:  # bfloat16's rounding: test_fused_bfloat16_rounds_once
+            ref = quant_linear_ref(x[:m], kind, q, s, z, rb, bk, k, bias)
+            assert torch.allclose(part, ref, atol=1e-5, rtol=1e-5), (part - ref).abs().max()
+
+
 @pytest.mark.parametrize("kind", ["fp8", "int8", "int4"])
 def test_fused_bfloat16_rounds_once(kernel_form, kind):
     n, k = 96, 256

@@ -131,6 +131,50 @@ inline void qdot(const float* x, int64_t ldx, const float* w, int64_t K, float (
       for (int j = 0; j < QNB; ++j) out[r][j] += x[r * ldx + k] * w[j * K + k];
 }
 
+#ifdef ADAPT_VW
+// Decode (M <= QMR rows): sums [MR][QNB] of x's rows against QNB rows of W read straight from their packed
+// bytes, each vector dequantized in registers ((q - zero) * scale, the twin's one multiply) and used at once:
+// no float32 copy of W is written. Lanes and order as qdot over dequant_row's buffer (BK a multiple of VW, so
+// every group but the last is whole vectors), so both paths give the same bits.
+template <int MR, int KIND>
+inline void qdot_packed(const float* x, int64_t ldx, const uint8_t* const (&q)[QNB], const float* const (&s)[QNB],
+                        const int8_t* const (&z)[QNB], int nr, int64_t K, int64_t BK, float (&out)[QMR][QNB]) {
+  vf acc[MR][QNB];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < QNB; ++j) acc[r][j] = vzero();
+  int64_t k = 0;
+  for (int64_t g = 0, k0 = 0; k0 < K; ++g, k0 += BK) {
+    const int64_t k1 = std::min(K, k0 + BK);
+    vf vs[QNB], vz[QNB];
+    for (int j = 0; j < QNB; ++j) {
+      vs[j] = vset1(s[j][g]);
+      vz[j] = vset1(z[j] ? static_cast<float>(z[j][g]) : 0.f);
+    }
+    for (; k + VW <= k1; k += VW) {
+      vf wv[QNB];
+      for (int j = 0; j < QNB; ++j) {
+        if constexpr (KIND == 0) wv[j] = vmul(vfp8(q[j] + k), vs[j]);
+        else if constexpr (KIND == 1) wv[j] = vmul(vint8(q[j] + k), vs[j]);
+        else wv[j] = vmul(vsub(vint4(q[j] + k / 2), vz[j]), vs[j]);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const vf xv = vloadu(x + r * ldx + k);
+        for (int j = 0; j < QNB; ++j) acc[r][j] = vfma(xv, wv[j], acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < QNB; ++j) out[r][j] = vsum(acc[r][j]);
+  for (; k < K; ++k) {  // the last group's columns past the last whole vector
+    const int64_t g = k / BK;
+    for (int j = 0; j < nr; ++j) {
+      const float w = (qvalue(KIND, q[j], k) - (z[j] ? static_cast<float>(z[j][g]) : 0.f)) * s[j][g];
+      for (int r = 0; r < MR; ++r) out[r][j] += x[r * ldx + k] * w;
+    }
+  }
+}
+#endif
+
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> zero,
                            int64_t kind, int64_t RB, int64_t BK, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scale.dim() == 2 && kind >= 0 && kind <= 2 && RB > 0 && BK > 0,
@@ -167,6 +211,37 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
   float_bf16_or_half(x, "quant_linear", [&](auto tag) {
     using T = decltype(tag);
     T* Y = y.data_ptr<T>();
+#ifdef ADAPT_VW
+    if (M <= QMR && (BK % VW == 0 || BK >= K)) {  // decode: W's packed bytes read once, dequantized in registers
+      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n0 = b * QNB;
+          const int nr = static_cast<int>(std::min<int64_t>(QNB, N - n0));
+          const uint8_t* qr[QNB];
+          const float* sr[QNB];
+          const int8_t* zr[QNB];
+          for (int j = 0; j < QNB; ++j) {
+            const int64_t n = n0 + std::min(j, nr - 1);  // rows past N repeat the last one, never stored
+            qr[j] = Q + n * ldq;
+            sr[j] = S + (n / RB) * G;
+            zr[j] = zp ? zp + n * G : nullptr;
+          }
+          float sums[QMR][QNB];
+          with_rows<QMR>(M, [&](auto rows) {
+            constexpr int MR = decltype(rows)::value;
+            if (kind == 0) qdot_packed<MR, 0>(X, K, qr, sr, zr, nr, K, BK, sums);
+            else if (kind == 1) qdot_packed<MR, 1>(X, K, qr, sr, zr, nr, K, BK, sums);
+            else qdot_packed<MR, 2>(X, K, qr, sr, zr, nr, K, BK, sums);
+          });
+          for (int64_t r = 0; r < M; ++r) {
+            T* yr = Y + r * N;
+            for (int64_t j = 0; j < nr; ++j) yr[n0 + j] = from_f32<T>(sums[r][j] + (bp ? bp[n0 + j] : 0.f));
+          }
+        }
+      });
+      return;
+    }
+#endif
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       std::vector<float> wbuf(QNB * K);
       float* w = wbuf.data();
