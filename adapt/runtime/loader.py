@@ -106,7 +106,11 @@ def load_weights(model: nn.Module, spec: ModelSpec, layout: WeightLayout, ctx: P
     if spec.quant is not None:  # quantized weights: their stored tensors' loaders (runtime/quant/load.py)
         from adapt.runtime.quant.load import QuantLoaders
 
-        quant = QuantLoaders(model, spec, layout, loaders)
+        held = None
+        if ctx.plan is not None and presliced:  # the companions in the files cover this rank's slices
+            def held(t):
+                return tensor_slice(t, ctx.plan, ctx.rank, spec)
+        quant = QuantLoaders(model, spec, layout, loaders, held)
         loaders = quant.loaders
     done = set()
     for t in layout.main():

@@ -68,9 +68,10 @@ def open_distributed(model: str | Path, device: str = "cpu", dtype: str = "float
     return eng, ctx
 
 
-def _replica_generate(eng, generate_one, prompts: list, params) -> list:
+def _replica_generate(eng, generate_one, prompts: list, params, images: list | None = None) -> list:
     """This replica's share (possibly none), then idle steps until the whole stage is done (lockstep)."""
-    sub = generate_one(prompts, params) if prompts else []
+    sub = (generate_one(prompts, params) if images is None else generate_one(prompts, params, images=images)
+           ) if prompts else []
     drain = getattr(eng.runner, "drain", None)
     if drain is not None:
         drain()
@@ -114,11 +115,12 @@ def collective_report(eng, ctx: DistributedContext, act_dtype: str | None = None
 def _dp_generate(eng, ctx: DistributedContext, generate_one):
     """eng.generate for dp replicas: this replica runs its share; every rank gets all results in order."""
 
-    def gen(prompts, params=None):
+    def gen(prompts, params=None, images=None):
         mine = [i for i in range(len(prompts)) if i % ctx.dp_size == ctx.dp_rank]
         plist = params if isinstance(params, (list, tuple)) else None
         sub = _replica_generate(eng, generate_one, [prompts[i] for i in mine],
-                                [plist[i] for i in mine] if plist else params)
+                                [plist[i] for i in mine] if plist else params,
+                                [images[i] for i in mine] if images is not None else None)
         box = [None] * ctx.world_size
         dist.all_gather_object(box, (mine, sub))
         results = [None] * len(prompts)

@@ -145,8 +145,10 @@ class QuantLoaders:
     """The loaders of every stored tensor of the quantized weights (module docstring); ``loaders`` replaces
     the model's own for those names. ``dequantized`` counts the weights dequantized at load."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, layout: WeightLayout, loaders: dict):
+    def __init__(self, model: nn.Module, spec: ModelSpec, layout: WeightLayout, loaders: dict,
+                 held: SliceOf | None = None):
         self.spec, self.kind = spec, kind_of(spec)
+        self.held = held or (lambda t: None)  # the slice of a weight a presliced file holds (shard output)
         self.loaders = dict(loaders)
         self.dequantized = 0
         quant = quantized_weights(layout)
@@ -181,7 +183,7 @@ class QuantLoaders:
 
     def _part_loader(self, qw: QuantizedWeight, main: TensorSpec, c: TensorSpec, row: int, n: int):
         def load(t: torch.Tensor, sl: TensorSlice | None) -> None:
-            check_part(c, t)
+            check_part(c, t, part_shape(c, main, self.held(main), self.spec))
             if c.name.endswith("weight_shape"):
                 return
             part = _cut(self._as_rows(c, t), sl, n, _blocks(self.spec, main.shape[1]), qw.rb, c.name, main.name)
@@ -207,9 +209,27 @@ class QuantLoaders:
         return t.to(torch.float32)
 
 
-def check_part(c: TensorSpec, t: torch.Tensor) -> None:
-    """A companion tensor must have the layout's stored shape (a scale: any float dtype)."""
-    want = c.stored_shape
+def part_shape(c: TensorSpec, main: TensorSpec, sl: TensorSlice | None, spec: ModelSpec) -> tuple[int, ...]:
+    """The stored shape of companion c in a file holding slice ``sl`` of its weight (None: the whole weight):
+    along the split dim, the blocks / groups / channels that cover the slice (``adapt shard`` writes those)."""
+    if sl is None or sl.whole or c.tp_dim is None or c.tp_dim != sl.dim or len(c.shape) != 2:
+        return c.stored_shape
+    d = sl.dim
+    q = spec.quant
+    unit = q.block_size[d] if q.method == "fp8" else (1 if d == 0 else (q.group_size or main.shape[1]))
+    shape = list(c.shape)
+    shape[d] = ceil_div(sl.stop, unit) - sl.start // unit
+    if c.packed_dim == d:
+        shape[d] = ceil_div(shape[d], 8)
+    elif c.packed_dim is not None:
+        shape[c.packed_dim] = ceil_div(shape[c.packed_dim], 8)
+    return tuple(shape)
+
+
+def check_part(c: TensorSpec, t: torch.Tensor, want: tuple[int, ...] | None = None) -> None:
+    """A companion tensor must have the layout's stored shape, or ``want`` (a presliced file's: part_shape);
+    a scale: any float dtype."""
+    want = c.stored_shape if want is None else want
     ok = tuple(t.shape) == tuple(want)
     if c.name.endswith("weight_shape"):
         ok = t.numel() == 2
@@ -236,7 +256,8 @@ class _Pending:
 
     def part(self, c: TensorSpec):
         def load(t: torch.Tensor, sl: TensorSlice | None) -> None:
-            check_part(c, t)
+            o = self.owner
+            check_part(c, t, part_shape(c, self.main, o.held(self.main), o.spec))
             self.parts[c.name] = (QuantLoaders._as_rows(c, t), sl)
             self._maybe_done()
         return load
