@@ -165,9 +165,10 @@ _QUANT_ROLES = {"attn_q", "attn_k", "attn_v", "attn_o", "attn_q_a", "attn_q_b", 
                 "shared_up", "shared_down", "mtp_eh_proj"}
 
 
-def is_quantizable(t: TensorSpec) -> bool:
-    """Linear weights that an FP8 block-quantized checkpoint stores in FP8 (DeepSeek-V3 convention)."""
-    return t.role in _QUANT_ROLES and len(t.shape) == 2
+def is_quantizable(t: TensorSpec, lm_head: bool = False) -> bool:
+    """Linear weights that an FP8 block-quantized checkpoint stores in FP8 (DeepSeek-V3 convention); with
+    ``lm_head``, the untied output head too (``adapt shard --quantize-lm-head``)."""
+    return (t.role in _QUANT_ROLES or (lm_head and t.role == "lm_head")) and len(t.shape) == 2
 
 
 def quantized_tensors(q, name: str, shape: tuple[int, int], role: str, split: str, layer, expert, tp_dim,
@@ -377,7 +378,10 @@ def _build(spec: ModelSpec) -> list[TensorSpec]:
         _decoder_layer(b, prefix, i, kind)
     b.norm(f"{prefix}norm", h)
     if not spec.tie_word_embeddings:
-        b.add(head, (vocab, h), "lm_head", "vocab", tp_dim=0)
+        # compressed-tensors quantizes every Linear its config targets that ``ignore`` does not list, lm_head
+        # included (llm-compressor writes ignore: [lm_head] to keep it); DeepSeek's fp8 keeps lm_head in bf16
+        ct = spec.quant is not None and spec.quant.method == "compressed-tensors"
+        b.add(head, (vocab, h), "lm_head", "vocab", tp_dim=0, quantizable=ct)
     if spec.vision is not None:
         _vision(b)
     # DeepSeek-V3 MTP modules (num_nextn_predict_layers), stored as layers after the last decoder layer.

@@ -2,16 +2,20 @@
 
 Builds the dense ~120M llama-shaped model and the MoE model of bench/runtime_bench.py (its builders), writes
 int8 and int4 copies of each with ``adapt shard --quantize`` (the same function in-process; compressed-tensors,
-lm_head kept unquantized as that format's default ``ignore`` does), and times batch-1 and batch-16 greedy
-decode tokens/s of the three forms in rounds that alternate bf16 / int8 / int4, so that all see the same state
-of a shared host; each ratio is the median of the per-round ratios. Prints one JSON document with the weight
-bytes each form holds and the goals (issue 30: int8 >= 1.6x and int4 >= 2.5x bf16 at batch 1).
+lm_head kept unquantized as that format's default ``ignore`` does) and, with ``--lm-head both`` (the default),
+int8+lm_head / int4+lm_head copies with ``--quantize-lm-head`` (a tied head untied: lm_head quantized, the
+embedding kept in bf16 for the lookup). It times batch-1 and batch-16 greedy decode tokens/s of the forms in
+rounds whose order alternates, so that all see the same state of a shared host; each ratio is the median of
+the per-round ratios. Prints one JSON document with the weight bytes each form holds, the bytes one decode
+step reads (the weights less an embedding that only has rows looked up: the batch-1 ceiling's numerator) and
+the goals (issue 30: int8 >= 1.6x and int4 >= 2.5x bf16 at batch 1).
 
 llama.cpp's Q8_0 / Q4_0 are the second peer only where ``import llama_cpp`` works and a GGUF of the same
 weights is given (``--gguf-dir`` holding dense-q8_0.gguf / dense-q4_0.gguf): this bench installs and converts
 nothing itself, and says which of the two is missing.
 
     python bench/quant_bench.py [--models dense,moe] [--decode-tokens 32] [--rounds 5] [--group-size 128]
+                                [--lm-head both|plain|quantized]
     python bench/quant_bench.py --smoke   # tiny models, one round: checks the bench runs, no figures to read
 """
 
@@ -38,7 +42,8 @@ from adapt.runtime.sampling import SamplingParams  # noqa: E402
 from adapt.runtime.tactics import host  # noqa: E402
 from adapt.shard.run import shard  # noqa: E402
 
-FORMS = ("bf16", "int8", "int4")
+QUANTS = {"int8": ("int8", False), "int4": ("int4", False), "int8+lm_head": ("int8", True),
+          "int4+lm_head": ("int4", True)}  # form -> (--quantize, --quantize-lm-head)
 GOALS_B1 = {"int8": 1.6, "int4": 2.5}
 SMOKE = {"dense": dict(DENSE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=512),
@@ -87,22 +92,35 @@ def llama_cpp_peer(name, batch_sizes, args, vocab):
     return out
 
 
+def read_bytes(eng) -> int:
+    """Weight bytes one decode step reads: all it holds, less an embedding that is not also the head (only its
+    looked-up rows are read)."""
+    m = eng.model
+    untied = m.embed is not None and m.lm_head is not None and m.lm_head.tied is None
+    return eng.weight_bytes - (m.embed.weight.numel() * m.embed.weight.element_size() if untied else 0)
+
+
 def bench_model(name, cfg, args, tmp: Path):
     hf, n_params = build(cfg, tmp / name)
     del hf
     src = tmp / name
     paths = {"bf16": src}
-    for q in ("int8", "int4"):
+    quants = [f for f in QUANTS if args.lm_head == "both" or QUANTS[f][1] == (args.lm_head == "quantized")]
+    forms = ["bf16"] + quants
+    for f in quants:
+        q, head = QUANTS[f]
         t = time.perf_counter()
-        shard(src, tmp / f"{name}-{q}", quantize=q, group_size=args.group_size)
-        print(f"# {name}: shard --quantize {q} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
-        paths[q] = tmp / f"{name}-{q}"
-    engines = {f: Engine.from_pretrained(paths[f], dtype="bfloat16", kv_cache_memory="512MiB") for f in FORMS}
+        paths[f] = tmp / f"{name}-{f}"
+        shard(src, paths[f], quantize=q, group_size=args.group_size, quantize_lm_head=head)
+        print(f"# {name}: shard --quantize {q}{' --quantize-lm-head' * head} in {time.perf_counter() - t:.1f}s",
+              file=sys.stderr)
+    engines = {f: Engine.from_pretrained(paths[f], dtype="bfloat16", kv_cache_memory="512MiB") for f in forms}
     res = {"params": n_params}
     n = args.decode_tokens
     for f, eng in engines.items():
         decode_tok_s(eng, prompts(1, 8, 0, cfg["vocab_size"]), 4)  # warm-up, and last_stats filled
         res.setdefault("weight_bytes", {})[f] = eng.weight_bytes  # resident, as stats.weight_bytes reports
+        res.setdefault("read_bytes_per_step", {})[f] = read_bytes(eng)
         res.setdefault("weights", {})[f] = eng.weights_held
     for b in args.batches:
         ps = prompts(b, 16, b, cfg["vocab_size"])
@@ -110,16 +128,16 @@ def bench_model(name, cfg, args, tmp: Path):
             decode_tok_s(eng, ps, n)  # warm-up at this batch
         rounds = []
         for r in range(args.rounds):
-            order = FORMS if r % 2 == 0 else FORMS[::-1]  # alternate, so no form always runs after another
+            order = forms if r % 2 == 0 else forms[::-1]  # alternate, so no form always runs after another
             rounds.append({f: decode_tok_s(engines[f], ps, n) for f in order})
-        row = {f"{f}_tok_s": round(statistics.median(x[f] for x in rounds), 2) for f in FORMS}
-        for q in ("int8", "int4"):
+        row = {f"{f}_tok_s": round(statistics.median(x[f] for x in rounds), 2) for f in forms}
+        for q in quants:
             row[f"{q}_vs_bf16"] = round(statistics.median(x[q] / x["bf16"] for x in rounds), 3)
             row[f"{q}_vs_bf16_per_round"] = [round(x[q] / x["bf16"], 3) for x in rounds]
         res[f"decode_b{b}"] = row
-    # the batch-1 ceiling weight bytes set, if decode read nothing but the weights once a token
-    wb = res["weight_bytes"]
-    res["bytes_ratio_vs_bf16"] = {q: round(wb["bf16"] / wb[q], 3) for q in ("int8", "int4")}
+    # the batch-1 ceiling the bytes set, if decode read nothing but the weights once a step
+    rb = res["read_bytes_per_step"]
+    res["bytes_ratio_vs_bf16"] = {q: round(rb["bf16"] / rb[q], 3) for q in quants}
     res["llama_cpp"] = llama_cpp_peer(name, args.batches, args, cfg["vocab_size"])
     return res
 
@@ -131,6 +149,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--lm-head", default="both", choices=("both", "plain", "quantized"),
+                    help="quantized forms with lm_head kept bf16 (plain), quantized too, or both")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--gguf-dir", default="", help="GGUFs of the same weights: {model}-q8_0.gguf / {model}-q4_0.gguf")
     ap.add_argument("--smoke", action="store_true", help="tiny models, one round, 4 tokens: the bench runs")
@@ -159,8 +179,9 @@ def main():
             res = bench_model(name, cfgs[name], args, Path(tmp))
             report[name] = res
             if 1 in args.batches:
-                for q, g in GOALS_B1.items():
-                    goals[f"{name}: {q} b1 >= {g}x bf16"] = res["decode_b1"][f"{q}_vs_bf16"] >= g
+                for f in (f for f in QUANTS if f"{f}_vs_bf16" in res["decode_b1"]):
+                    g = GOALS_B1[QUANTS[f][0]]
+                    goals[f"{name}: {f} b1 >= {g}x bf16"] = res["decode_b1"][f"{f}_vs_bf16"] >= g
     from adapt.runtime import cpu_kernels
 
     report["hardware"]["cpu_kernels"] = cpu_kernels.status()

@@ -28,17 +28,24 @@ def parse_size(text: str | int, option: str = "--max-file-size") -> int:
 def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, rank: int, names: set[str],
                  dtype_choice: str, quantize: Quantize | None = None) -> list[OutputTensor]:
     """The tensors rank writes, in layout order: slices from adapt.plan, scale blocks by scale_slice; with
-    ``quantize``, each linear weight's slice as the parts of its quantized form (``quantized_slice``)."""
+    ``quantize``, each linear weight's slice as the parts of its quantized form (``quantized_slice``). An lm_head
+    the checkpoint does not hold (``layout`` unties a tied head for ``--quantize-lm-head``) is read from the
+    embedding."""
     scales = {t.scale_of: t for t in layout if t.scale_of is not None}
     block = layout.spec.quant.block_size if layout.spec.quant else None
+    lm_head = quantize is not None and quantize.lm_head
+    embed = next((t.name for t in layout if t.role == "embed"), None)
     out = []
     for t, s in rank_tensors(layout, plan, rank):
-        if t.name not in names:
+        source = embed if lm_head and t.role == "lm_head" and t.name not in names else t.name
+        if source not in names:
             continue
-        src = ckpt.tensors[t.name]
+        src = ckpt.tensors[source]
         scale = scales.get(t.name)
-        if quantize is not None and is_quantizable(t) and quantize.spec.quantizes(t.name):
-            out += quantized_slice(t, s, src, scale, quantize, target_dtype(dtype_choice) or layout.spec.dtype)
+        if quantize is not None and is_quantizable(t, lm_head) and quantize.spec.quantizes(t.name):
+            sl = TensorSlice(source, s.dim, s.start, s.stop)
+            out += quantized_slice(t, sl, src, scale, quantize, target_dtype(dtype_choice) or layout.spec.dtype,
+                                   source)
             continue
         quantized = scale is not None and src.dtype == "float8_e4m3fn"
         transform, dtype = plan_transform(src.dtype, dtype_choice, quantized)
@@ -52,9 +59,11 @@ def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, ran
     return out
 
 
-def quantized_slice(t, s: TensorSlice, src, scale, quantize: Quantize, scale_dtype: str) -> list[OutputTensor]:
+def quantized_slice(t, s: TensorSlice, src, scale, quantize: Quantize, scale_dtype: str,
+                    source: str | None = None) -> list[OutputTensor]:
     """The parts (weight, scales, shape, as WeightLayout names them) of rank slice ``s`` of linear weight t,
-    quantized on its own: blocks and groups start at the slice's first row and column."""
+    quantized on its own: blocks and groups start at the slice's first row and column. ``source``: the
+    checkpoint tensor read (default t's own name)."""
     n, k = s.shape(src.shape)
     g = quantize.group_size
     if quantize.scheme == "int4" and k % g:
@@ -64,7 +73,7 @@ def quantized_slice(t, s: TensorSlice, src, scale, quantize: Quantize, scale_dty
     fp8_src = scale is not None and src.dtype == "float8_e4m3fn"
     parts = quantized_tensors(quantize.spec, t.name, (n, k), t.role, t.split, t.layer, t.expert, t.tp_dim,
                               t.head_size, t.mtp, scale_dtype)
-    return [OutputTensor(p.name, t.name, src.file, s, p.stored_shape, src.shape, quantize.transform, p.stored_dtype,
+    return [OutputTensor(p.name, source or t.name, src.file, s, p.stored_shape, src.shape, quantize.transform, p.stored_dtype,
                          src.dtype, scale.name if fp8_src else None) for p in parts]
 
 

@@ -110,6 +110,8 @@ def output_config(cfg: dict, dtype_choice: str, quantize: Quantize | None = None
     target = target_dtype(dtype_choice)
     if quantize is not None:
         cfg = dict(cfg, quantization_config=quantize.config)
+        if quantize.lm_head and cfg.get("tie_word_embeddings"):
+            cfg["tie_word_embeddings"] = False  # lm_head.weight is written (quantized); the embedding stays
     if target is None:
         return cfg
     out = {k: v for k, v in cfg.items() if k != "quantization_config" or quantize is not None}
@@ -208,9 +210,10 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
           max_file_size: int = DEFAULT_MAX_FILE_SIZE, workers: int = 0, memory_budget: int = DEFAULT_BUDGET,
           force: bool = False, allow_pickle: bool = False, trust_hub_cache: bool = True,
           progress: Callable[[int, int], None] | None = None, quantize: str | None = None,
-          group_size: int = 128) -> ShardResult:
+          group_size: int = 128, quantize_lm_head: bool = False) -> ShardResult:
     """Shard a checkpoint directory into ``out_dir`` per the plan. ``progress(delta_bytes, total_bytes)``.
-    ``quantize``: int8 | int4 | fp8, round-to-nearest (transform.Quantize; int4 in groups of ``group_size``)."""
+    ``quantize``: int8 | int4 | fp8, round-to-nearest (transform.Quantize; int4 in groups of ``group_size``);
+    ``quantize_lm_head``: lm_head too (a tied head is untied, see Quantize)."""
     t0 = time.perf_counter()
     src_dir, out = Path(checkpoint), Path(out_dir)
     if dtype not in DTYPE_CHOICES:
@@ -221,7 +224,9 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     hashing.native()  # and the native sha256 is built (once per host) or its absence stated
     cfg = read_config(Path(src_dir) / "config.json")
     spec = ModelSpec.from_hf_config(cfg, name=src_dir.name)
-    quant = Quantize.make(quantize, group_size) if quantize else None
+    if quantize_lm_head and not quantize:
+        raise ShardError("--quantize-lm-head needs --quantize int8 or int4")
+    quant = Quantize.make(quantize, group_size, quantize_lm_head) if quantize else None
     if spec.quant is not None and spec.quant.method != "fp8":
         raise ShardError(f"{src_dir}: adapt shard does not slice {spec.quant.method} ({spec.quant.fmt}) checkpoints "
                          "yet; adapt run reads them directly")
@@ -234,7 +239,10 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         plan_mod.coverage(layout, plan)
     ckpt, _ = open_checkpoint(src_dir, allow_pickle)
     names = check_against_layout(ckpt, layout)
-    files = plan_outputs(ckpt, layout, plan, names, dtype, max_file_size, quant)
+    out_layout = layout  # what the output holds: a tied head quantized is untied (lm_head.weight written)
+    if quant is not None and quant.lm_head and spec.tie_word_embeddings:
+        out_layout = WeightLayout.from_spec(replace(spec, tie_word_embeddings=False))
+    files = plan_outputs(ckpt, out_layout, plan, names, dtype, max_file_size, quant)
     block = spec.quant.block_size if spec.quant else None
     src_stat = {f: (src_dir / f).stat() for f in ckpt.files}
     sources = [dict(name=f, size=s.st_size) for f, s in src_stat.items()]

@@ -23,37 +23,47 @@ QUANTIZE_CHOICES = ("int8", "int4", "fp8")
 @dataclass(frozen=True)
 class Quantize:
     """``--quantize``: round-to-nearest int8 per output channel, int4 in groups of ``group_size`` (symmetric,
-    compressed-tensors), or fp8 in 128 x 128 blocks (DeepSeek's layout); ``spec``: the output's QuantSpec."""
+    compressed-tensors), or fp8 in 128 x 128 blocks (DeepSeek's layout); ``spec``: the output's QuantSpec.
+    ``lm_head`` (``--quantize-lm-head``, int8 / int4): lm_head is quantized too (the config's ``ignore`` is
+    empty); a head tied to the embedding is untied: lm_head.weight is written quantized from the embedding,
+    which stays as it is for the lookup, and the output config says ``tie_word_embeddings: false``."""
 
     scheme: str
     group_size: int
     spec: QuantSpec
+    lm_head: bool = False
 
     @classmethod
-    def make(cls, scheme: str, group_size: int = 128) -> "Quantize":
+    def make(cls, scheme: str, group_size: int = 128, lm_head: bool = False) -> "Quantize":
         from adapt.hf_config import _quant
 
         if scheme not in QUANTIZE_CHOICES:
             raise ShardError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}; got {scheme!r}")
         if group_size < 1:
             raise ShardError(f"--group-size must be a positive number of columns; got {group_size}")
-        return cls(scheme, group_size, _quant({"quantization_config": cls.config_of(scheme, group_size)}))
+        if lm_head and scheme == "fp8":
+            raise ShardError("--quantize-lm-head needs --quantize int8 or int4 (DeepSeek's fp8 layout keeps "
+                             "lm_head unquantized)")
+        return cls(scheme, group_size, _quant({"quantization_config": cls.config_of(scheme, group_size, lm_head)}),
+                   lm_head)
 
     @staticmethod
-    def config_of(scheme: str, group_size: int) -> dict:
+    def config_of(scheme: str, group_size: int, lm_head: bool = False) -> dict:
         from adapt.quantize import quantization_config
 
-        return quantization_config(scheme, group=group_size)
+        return quantization_config(scheme, group=group_size, ignore=[] if lm_head else None)
 
     @property
     def config(self) -> dict:
         """The output config.json's quantization_config."""
-        return self.config_of(self.scheme, self.group_size)
+        return self.config_of(self.scheme, self.group_size, self.lm_head)
 
     @property
     def transform(self) -> str:
         """The manifest's transform: quantize:int8 | quantize:int4:g128 | quantize:fp8."""
         return f"quantize:{self.scheme}" + (f":g{self.group_size}" if self.scheme == "int4" else "")
+
+
 _TARGET = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
 _CHUNK_BYTES = 64 << 20  # rows of a dequantized slice processed at once
@@ -128,7 +138,8 @@ def reference_dequant(w: "torch.Tensor", scale: "torch.Tensor", block: tuple[int
 
 
 def quantize_part(w: "torch.Tensor", transform: str, weight: str, part: str, scale_dtype: str) -> "torch.Tensor":
-    """Output tensor ``part`` of weight slice ``w`` (float) under a ``quantize:...`` transform."""
+    """Output tensor ``part`` of weight slice ``w`` (float) under a ``quantize:...`` transform. ``weight``: the
+    source tensor; a part of another name (lm_head.weight_packed from a tied embedding) names its own weight."""
     import torch
 
     from adapt.quantize import quantized_parts
@@ -136,6 +147,8 @@ def quantize_part(w: "torch.Tensor", transform: str, weight: str, part: str, sca
     bits = transform.split(":")
     group = int(bits[2][1:]) if len(bits) > 2 else None
     sd = getattr(torch, scale_dtype)  # a scale part's dtype; the other parts' scales are not kept
+    if not part.startswith(weight[: -len("weight")]) and ".weight" in part:
+        weight = part[: part.rindex(".weight")] + ".weight"
     parts = quantized_parts(bits[1], weight, w, group=group, scale_dtype=sd if sd.is_floating_point else None)
     if part not in parts:
         raise ShardError(f"{weight}: {transform} makes no tensor {part!r}")

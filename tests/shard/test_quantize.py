@@ -108,3 +108,80 @@ def test_runtime_weight_bytes_match_profile(llama, tmp_path, scheme):
     want = json.loads(prof.stdout)["memory"]["weights_bytes"]
     got = Engine.from_pretrained(out, dtype="float32").weight_bytes
     assert abs(got - want) <= 0.02 * want, (got, want)
+
+
+def _hf_logits(out, tmp_path):
+    """transformers' float32 logits of PROMPT from a tp1 shard output (its compressed-tensors integration)."""
+    import transformers
+
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text((out / "config.json").read_text())
+    (hf_dir / "model.safetensors").symlink_to(next((out / "rank-00000").glob("*.safetensors")))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf, hf(torch.tensor([PROMPT])).logits[0]
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "llama"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantize_lm_head(tmp_path, family, scheme):
+    """--quantize-lm-head: lm_head is held quantized (a tied head untied: lm_head written from the embedding,
+    which stays float for the lookup); logits vs the twin within 1e-5 in float32; the head's bytes drop by the
+    format's ratio; verify --source checks the head against the embedding it came from; transformers loads it."""
+    src = save_tiny(family, tmp_path / "src")[1]
+    plain, out = tmp_path / "plain", tmp_path / "head"
+    shard(src, plain, quantize=scheme, group_size=32)
+    shard(src, out, quantize=scheme, group_size=32, quantize_lm_head=True)
+    rep = verify(out, source=src)
+    assert rep.ok, [p.line() for p in rep.problems]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["ignore"] == [] and cfg.get("tie_word_embeddings") is not True
+    names = {t.name: t for f in load_manifest(out).files for t in f.tensors}
+    head = "lm_head.weight" if scheme == "int8" else "lm_head.weight_packed"
+    assert names[head].transform.startswith("quantize:")
+    assert names[head].source == ("model.embed_tokens.weight" if family == "llama_tied" else "lm_head.weight")
+    assert names["model.embed_tokens.weight"].transform == "none"
+
+    fused = Engine.from_pretrained(out, dtype="float32")
+    twin = Engine.from_pretrained(out, dtype="float32", kernels="reference")
+    lm = fused.model.lm_head
+    assert isinstance(lm.weight, QuantizedWeight) and lm.tied is None
+    assert fused.model.embed.weight.dtype == torch.float32
+    a, b = fused.prefill_logits(PROMPT), twin.prefill_logits(PROMPT)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    # the twin's head is the dequantized weight: the logits are x @ dequant(W)^T, W quantized from the source head
+    w_src = (fused.model.embed.weight if family == "llama_tied" else
+             Engine.from_pretrained(plain, dtype="float32", prepack="off").model.lm_head.weight).float()
+    deq = lm.weight.dequantized()
+    step = w_src.abs().amax(dim=1, keepdim=True) / (127 if scheme == "int8" else 7)
+    assert ((deq - w_src).abs() <= step / 2 + 1e-6).all()  # round-to-nearest: within half a step per row
+    base = Engine.from_pretrained(plain, dtype="float32")
+    v, h = cfg["vocab_size"], cfg["hidden_size"]
+    saved = base.weight_bytes - fused.weight_bytes
+    if family == "llama_tied":  # the tied base holds the table once; now it is held twice, once quantized
+        assert saved == -lm.weight.nbytes()
+    else:
+        assert saved == 4 * v * h - lm.weight.nbytes()
+    assert lm.weight.nbytes() < (0.3 if scheme == "int8" else 0.2) * 4 * v * h
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed: transformers cannot "
+                                                     "load the checkpoint here")
+    hf, ref = _hf_logits(out, tmp_path)
+    assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()  # untied
+    assert torch.allclose(a, ref, atol=1e-4, rtol=1e-4), (a - ref).abs().max()
+
+
+def test_quantize_lm_head_needs_int(llama, tmp_path):
+    for kw, msg in ((dict(quantize="fp8"), "--quantize-lm-head needs --quantize int8 or int4 \\(DeepSeek"),
+                    (dict(), "--quantize-lm-head needs --quantize int8 or int4")):
+        out = tmp_path / "x"
+        with pytest.raises(ShardError, match=msg):
+            shard(llama, out, quantize_lm_head=True, **kw)
+        assert not out.exists()
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "adapt", "shard", str(llama), "--out", str(out), "--quantize", "fp8",
+                        "--quantize-lm-head"], capture_output=True, text=True)
+    assert r.returncode != 0 and "--quantize-lm-head needs" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
