@@ -171,6 +171,17 @@ def is_quantizable(t: TensorSpec, lm_head: bool = False) -> bool:
     return (t.role in _QUANT_ROLES or (lm_head and t.role == "lm_head")) and len(t.shape) == 2
 
 
+PART_RULES = {"weight_scale_inv": "[ceil(N / block), ceil(K / block)]", "weight_scale": "[N, ceil(K / group)]",
+              "weight_zero_point": "[ceil(N / 8), ceil(K / group)] int32", "weight_shape": "[2]"}
+
+
+def part_rule(name: str) -> str | None:
+    """The stored-shape rule of a quantized weight's companion tensor, for error messages: 'weight_scale_inv is
+    [ceil(N / block), ceil(K / block)]'; None for other tensors."""
+    key = next((k for k in PART_RULES if name.endswith(k)), None)
+    return f"{key} is {PART_RULES[key]}" if key else None
+
+
 def quantized_tensors(q, name: str, shape: tuple[int, int], role: str, split: str, layer, expert, tp_dim,
                       head_size, mtp: bool, scale_dtype: str) -> list[TensorSpec]:
     """The tensors a quantized linear weight ``name`` ([N, K]) is stored as (``QuantSpec``'s formats): the weight
@@ -188,6 +199,11 @@ def quantized_tensors(q, name: str, shape: tuple[int, int], role: str, split: st
         bm, bn = q.block_size
         return [TensorSpec(name, shape, "float8_e4m3fn", role, split, layer, expert, tp_dim, head_size, mtp),
                 part(name + "_scale_inv", (ceil_div(n, bm), ceil_div(k, bn)), "float32")]
+    if q.group_size and k % q.group_size:
+        from adapt.errors import ConfigError
+
+        raise ConfigError(f"{base}weight: group_size {q.group_size} does not divide K = {k} ({k} % {q.group_size} = "
+                          f"{k % q.group_size}); {q.fmt} groups must tile each row")
     groups = ceil_div(k, q.group_size) if q.group_size else 1
     gdim = tp_dim if (groups > 1 or tp_dim == 0) else None  # [N, 1] scales are whole where K splits
     if q.bits == 8:

@@ -309,7 +309,8 @@ def scale_slice(weight_slice: TensorSlice, scale: TensorSpec, block: tuple[int, 
     b = block[weight_slice.dim]
     if weight_slice.start % b:
         raise PlanError(f"{weight_slice.name}: slice [{weight_slice.start}, {weight_slice.stop}) on dim "
-                        f"{weight_slice.dim} is not aligned to the {b}-wide FP8 scale blocks; "
+                        f"{weight_slice.dim} is not aligned to the {b}-wide FP8 scale blocks "
+                        f"({weight_slice.start} % {b} = {weight_slice.start % b}); "
                         "dequantize (--dtype bf16) or choose a smaller degree")
     return TensorSlice(scale.name, weight_slice.dim, weight_slice.start // b, ceil_div(weight_slice.stop, b))
 

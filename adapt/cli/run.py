@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -88,12 +89,30 @@ def run(
                                   dist_timeout=dist_timeout, micro_batches=micro_batches,
                                   collective_stats=collective_stats, **kw)
         if doc is None:  # not rank 0: rank 0 prints
-            return
+            _leave_rank()
     else:
         doc = run_generation(model, prompt, [parse_ids(p) for p in prompt_ids or []], **kw)
     if fmt == "json":
         emit(to_json(doc), None)
-        return
+    else:
+        _print_text(doc)
+    if mode == "rank":
+        _leave_rank()
+
+
+def _leave_rank() -> None:
+    """A rank whose run finished (its process group already destroyed, rank 0's output written) exits at once:
+    letting the interpreter's exit tear down what gloo left intermittently aborts a rank of a dp x ep run with
+    "terminate called without an active exception" (tiny-k2 dp2.ep2: 2 of 8 runs on a 2-core host), which the
+    launcher reports as a failed run; distributed/layout.py leaves the same way."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _print_text(doc: dict) -> None:
+    from adapt.cli.launch import print_collective_stats
+
     for i, o in enumerate(doc["outputs"]):
         body = o["text"] if o["text"] is not None else " ".join(map(str, o["token_ids"]))
         emit(f"[{i}] {body}", None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapt.errors import CheckpointError
-from adapt.layout import WeightLayout
+from adapt.layout import WeightLayout, part_rule
 from adapt.shard.header import DTYPES, TORCH_TO_ST, Header, read_header
 from adapt.shard.stream import ByteSlice, byte_slice, read_into
 
@@ -189,10 +189,12 @@ def check_against_layout(ckpt: Checkpoint, layout: WeightLayout) -> list[str]:
     want = {t.name: t for t in layout}
     mtp = [n for n, t in want.items() if t.mtp]
     use_mtp = any(n in have for n in mtp)
-    missing = [n for n, t in want.items() if n not in have and (use_mtp or not t.mtp)]
+    missing = [n + (f" (the {t.scale_of} companion; {part_rule(n)})" if t.scale_of else "")
+               for n, t in want.items() if n not in have and (use_mtp or not t.mtp)]
     extra = [n for n in have if n not in want]
-    shaped = [f"{n} {list(have[n].shape)} (expected {list(t.stored_shape)})" for n, t in want.items()
-              if n in have and have[n].shape != t.stored_shape]
+    shaped = [f"{n} {list(have[n].shape)} (expected {list(t.stored_shape)}"
+              + (f": {part_rule(n)}, N x K = {' x '.join(map(str, layout[t.scale_of].shape))})" if t.scale_of else ")")
+              for n, t in want.items() if n in have and have[n].shape != t.stored_shape]
     fp8 = [f"{n} is {have[n].dtype} (expected float8_e4m3fn)" for n, t in want.items()
            if n in have and t.dtype == "float8_e4m3fn" and have[n].dtype != "float8_e4m3fn"]
     problems = []

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from adapt.errors import CheckpointError
-from adapt.layout import TensorSpec, WeightLayout
+from adapt.layout import TensorSpec, WeightLayout, part_rule
 from adapt.plan import TensorSlice
 from adapt.runtime.kernels.quant_linear import dequantize
 from adapt.runtime.quant.weight import QuantizedWeight
@@ -234,10 +234,7 @@ def check_part(c: TensorSpec, t: torch.Tensor, want: tuple[int, ...] | None = No
     if c.name.endswith("weight_shape"):
         ok = t.numel() == 2
     if not ok:
-        rule = {"weight_scale_inv": "[ceil(N / block), ceil(K / block)]", "weight_scale": "[N, ceil(K / group)]",
-                "weight_zero_point": "[ceil(N / 8), ceil(K / group)] int32", "weight_shape": "[2]"}
-        key = next(k for k in rule if c.name.endswith(k))
-        raise CheckpointError(f"{c.name}: shape {list(t.shape)}, expected {list(want)} ({key} is {rule[key]})")
+        raise CheckpointError(f"{c.name}: shape {list(t.shape)}, expected {list(want)} ({part_rule(c.name)})")
 
 
 class _Pending:
