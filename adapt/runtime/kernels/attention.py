@@ -14,9 +14,19 @@ position Lk - Lq + i (the usual convention for chunked prefill over a cached pre
 A sliding window W (Mistral, Qwen's sliding layers) lets the query at position p see keys
 p - W < j <= p, as transformers' sliding-window mask does; key tiles wholly before a query tile's
 window are skipped, so windowed prefill costs O(L * W), not O(L^2).
+
+On CPU, with D == Dv, a sequence whose queries are its keys (plain prefill) without a sliding window, or
+any non-causal one, goes to torch's fused scaled_dot_product_attention instead (is_causal, enable_gqa: its
+flash kernel, which tiles the same way in C++ with a float32 softmax, never repeats K/V and never holds the
+[L, L] scores). The Python tile loop stays for what that kernel cannot do without a materialized mask or
+score matrix: the bottom-right causal mask of a chunk over a cached prefix, sliding windows, D != Dv (MLA's
+192 / 128), and other devices (where SDPA may pick its math form). Shared 2-core Xeon, torch 2.13, one
+causal sequence, D 64, ms, loop | fused: 8/8 heads 581 tokens fp32 5.7 | 2.8, bf16 4.9 | 1.1; 12/4 heads
+2048 tokens fp32 94.6 | 31.7, bf16 55.0 | 11.7, 4096 tokens bf16 210 | 41.5.
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def varlen_attention(
@@ -30,6 +40,7 @@ def varlen_attention(
     q_tile: int = 64,
     k_tile: int = 64,
     window: int | None = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """Attention of q [Tq, Hq, D] over k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> out [Tq, Hq, Dv] (q.dtype).
 
@@ -37,6 +48,7 @@ def varlen_attention(
     cu_seqlens_k is None, i.e. plain prefill). cu_seqlens_k [B + 1]: key offsets when they differ.
     Hq must be a multiple of Hkv; query head h reads kv head h // G (repeat_interleave order).
     window: causal sliding window (keys p - window < j <= p), None for none.
+    fused: False keeps every sequence on the Python tile loop (the loop's own tests).
     """
     if window is not None and not causal:
         raise ValueError("a sliding window needs causal attention")
@@ -47,6 +59,8 @@ def varlen_attention(
     out = q.new_empty(tq_total, hq, dv)  # [Tq, Hq, Dv]
     qb = cu_seqlens.tolist()
     kb = qb if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    # CPU SDPA runs its flash kernel only when D == Dv (else its math form, which holds the scores)
+    flash = fused and d == dv and q.device.type == "cpu"
     biases: dict = {}  # the single-tile mask bias by its shape relative to the tile: equal across sequences
     for b in range(len(qb) - 1):
         q0, lq = qb[b], qb[b + 1] - qb[b]
@@ -55,11 +69,22 @@ def varlen_attention(
             continue
         if lk == 0 or (causal and lk < lq):
             raise ValueError(f"sequence {b}: {lq} queries over {lk} keys")
+        if flash and window is None and (lq == lk or not causal):
+            out[q0 : q0 + lq] = _fused_sequence(q[q0 : q0 + lq], k[k0 : k0 + lk], v[k0 : k0 + lk], scale, causal)
+            continue
         shift = lk - lq  # key position of query 0
         for qs in range(0, lq, q_tile):
             qe = min(qs + q_tile, lq)
             _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile, window, biases)
     return out
+
+
+def _fused_sequence(q, k, v, scale, causal) -> torch.Tensor:
+    # one sequence, q [L, Hq, D] over k [L', Hkv, D], v [L', Hkv, Dv] -> [L, Hq, Dv]; causal only with L == L',
+    # where SDPA's top-left causal mask is the bottom-right one
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
 
 
 def _attend_tile(q, k, v, out, q0, k0, qs, qe, lk, shift, scale, causal, g, k_tile, window=None,

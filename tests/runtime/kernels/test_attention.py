@@ -24,12 +24,13 @@ def _qkv(lens, hq, hkv, d, dv, dtype=torch.float32, seed=0):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+@pytest.mark.parametrize("fused", [True, False])  # CPU SDPA's flash kernel per sequence, or the tile loop
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 4), (8, 2), (8, 1), (3, 1)])  # GQA 1/2/4/8, MQA
 @pytest.mark.parametrize("causal", [True, False])
-def test_varlen_matches_twin_fp32(hq, hkv, causal):
+def test_varlen_matches_twin_fp32(hq, hkv, causal, fused):
     q, k, v = _qkv(LENS, hq, hkv, 16, 16)
     scale = 16**-0.5
-    out = varlen_attention(q, k, v, _cu(LENS), scale, causal, q_tile=TILE, k_tile=TILE)
+    out = varlen_attention(q, k, v, _cu(LENS), scale, causal, q_tile=TILE, k_tile=TILE, fused=fused)
     assert out.shape == (sum(LENS), hq, 16) and out.dtype == torch.float32
     assert_fp32_close(out, varlen_attention_ref(q, k, v, _cu(LENS), scale, causal), f"hq={hq} hkv={hkv}")
 
@@ -59,13 +60,14 @@ def test_varlen_chunked_prefill_bottom_right_causal():
     assert_fp32_close(out[4:], full[-lq[2]:])
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1)])
-def test_varlen_bf16_within_2x_of_torch(hq, hkv):
+def test_varlen_bf16_within_2x_of_torch(hq, hkv, fused):
     q, k, v = _qkv(LENS, hq, hkv, 32, 32, seed=3)
     cu = _cu(LENS)
     ref32 = varlen_attention_ref(q, k, v, cu, 32**-0.5)
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
-    out = varlen_attention(qb, kb, vb, cu, 32**-0.5, q_tile=TILE, k_tile=TILE)
+    out = varlen_attention(qb, kb, vb, cu, 32**-0.5, q_tile=TILE, k_tile=TILE, fused=fused)
     assert out.dtype == torch.bfloat16
     assert_lowp_close(out, varlen_attention_ref(qb, kb, vb, cu, 32**-0.5), ref32, "varlen bf16")
 
@@ -77,14 +79,16 @@ def test_varlen_empty_sequence_in_batch():
     assert_fp32_close(out, varlen_attention_ref(q, k, v, _cu(lens), 0.5))
 
 
-def test_prefill_memory_is_linear_in_length():
+@pytest.mark.parametrize("fused", [True, False])
+def test_prefill_memory_is_linear_in_length(fused):
     """The largest single allocation grows linearly in L (output-sized), not as L^2: measured
     by intercepting every aten op (see _track.py), so it does not depend on timing or allocator."""
     hq, d = 2, 8
     sizes = {}
     for n in (128, 512):
         q, k, v = _qkv([n], hq, 1, d, d)
-        sizes[n] = largest_allocation(lambda: varlen_attention(q, k, v, _cu([n]), 0.3, q_tile=TILE, k_tile=TILE))
+        sizes[n] = largest_allocation(lambda: varlen_attention(q, k, v, _cu([n]), 0.3, q_tile=TILE, k_tile=TILE,
+                                                               fused=fused))
         out_bytes = n * hq * d * 4
         assert sizes[n] <= max(out_bytes, 4 * hq * TILE * TILE * 4), (n, sizes[n])
     assert sizes[512] <= 4.5 * sizes[128], sizes  # linear: x4 for x4 length (quadratic would be x16)
@@ -99,6 +103,30 @@ def test_gqa_does_not_materialize_repeated_kv():
     q, k, v = _qkv([n], hq, 1, d, dv)
     largest = largest_allocation(lambda: varlen_attention(q, k, v, _cu([n]), 0.1, q_tile=TILE, k_tile=TILE))
     assert largest < n * hq * d * 4 // 4, largest
+    # D == Dv: the fused route (SDPA's flash kernel with enable_gqa) neither repeats K/V nor holds the scores
+    q, k, v = _qkv([n], hq, 1, d, d)
+    largest = largest_allocation(lambda: varlen_attention(q, k, v, _cu([n]), 0.1, q_tile=TILE, k_tile=TILE))
+    assert largest <= n * hq * d * 4, largest  # the output's size: K repeated to Hq heads would be as large again
+
+
+def test_plain_prefill_takes_the_fused_route_and_others_the_loop():
+    # which route ran, seen from the ops: SDPA's flash kernel for a whole causal sequence; the tile loop (bmm)
+    # for a chunk over a cached prefix, a sliding window and D != Dv
+    from torch.profiler import profile
+
+    def ops(fn):
+        with profile() as p:
+            fn()
+        return {e.key for e in p.key_averages()}
+
+    q, k, v = _qkv([40], 4, 2, 16, 16)
+    flash = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert flash in ops(lambda: varlen_attention(q, k, v, _cu([40]), 0.25))
+    assert flash not in ops(lambda: varlen_attention(q, k, v, _cu([40]), 0.25, fused=False))
+    assert flash not in ops(lambda: varlen_attention(q, k, v, _cu([40]), 0.25, window=8))
+    assert flash not in ops(lambda: varlen_attention(q[30:], k, v, _cu([10]), 0.25, cu_seqlens_k=_cu([40])))
+    q, k, v = _qkv([40], 4, 2, 16, 8)
+    assert flash not in ops(lambda: varlen_attention(q, k, v, _cu([40]), 0.25))
 
 
 def test_non_contiguous_inputs():
