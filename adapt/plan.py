@@ -315,6 +315,38 @@ def scale_slice(weight_slice: TensorSlice, scale: TensorSpec, block: tuple[int, 
     return TensorSlice(scale.name, weight_slice.dim, weight_slice.start // b, ceil_div(weight_slice.stop, b))
 
 
+def stored_slice_of(t: TensorSpec, weight: TensorSpec, weight_slice: TensorSlice, spec: ModelSpec) -> TensorSlice:
+    """The slice, in the file's own coordinates, of stored tensor t (a quantized weight ``weight`` itself or one of
+    its companions) that a rank holding ``weight_slice`` of the weight's logical [N, K] holds.
+
+    fp8 block scales: ``scale_slice``. compressed-tensors: the weight's rows or columns (int4 columns eight to an
+    int32 word), its group-scale columns (one per group), per-channel scales' rows (whole where K splits), packed
+    zero-point rows (eight to a word), ``weight_shape`` whole (``adapt shard`` rewrites its value). A slice that
+    would cut a block, a group or a packed word is a PlanError naming the tensor and the arithmetic."""
+    q = spec.quant
+    if weight_slice.whole:
+        return TensorSlice(t.name)
+    if q is None or q.method == "fp8":
+        return scale_slice(weight_slice, t, q.block_size) if t.scale_of else TensorSlice(
+            t.name, weight_slice.dim, weight_slice.start, weight_slice.stop)
+    d, a, b = weight_slice.dim, weight_slice.start, weight_slice.stop
+    where = f"{weight.name}: slice [{a}, {b}) on dim {d}"
+    if t.name.endswith("weight_shape") or (t.scale_of and t.tp_dim is None):
+        return TensorSlice(t.name)
+    if d == 1 and q.group_size and (a % q.group_size or b % q.group_size):
+        off = a % q.group_size or b % q.group_size
+        raise PlanError(f"{where} cuts a group of {q.group_size} columns ({a if a % q.group_size else b} % "
+                        f"{q.group_size} = {off}); choose a tp degree that splits K on group edges")
+    if t.scale_of and d == 1:  # group scales: one column per group
+        return TensorSlice(t.name, 1, a // q.group_size, b // q.group_size)
+    if t.packed_dim == d:  # eight int4 values to an int32 along d
+        if a % 8 or (b % 8 and b != t.shape[d]):
+            raise PlanError(f"{where} cuts an int32 word of eight int4 values ({a if a % 8 else b} % 8 = "
+                            f"{a % 8 or b % 8}) of {t.name}; choose a tp degree that splits on multiples of 8")
+        return TensorSlice(t.name, d, a // 8, ceil_div(b, 8))
+    return TensorSlice(t.name, d, a, b)
+
+
 @dataclass(frozen=True)
 class CoverageReport:
     """What ``coverage`` found: every tensor tiled exactly once per replica."""

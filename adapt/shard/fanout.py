@@ -24,7 +24,7 @@ from adapt.shard.checkpoint import Checkpoint, SourceTensor
 from adapt.shard.manifest import OutputFile, OutputTensor
 from adapt.shard.planner import scale_blocks
 from adapt.shard.stream import ByteSlice, buffers, chunk_pieces, pread_into
-from adapt.shard.transform import cast, dequant_slice, quantize_part
+from adapt.shard.transform import cast, dequant_slice, quantize_part, shape_value
 from adapt.shard.hashing import Batch, SourceHash, sha256_file
 from adapt.shard.writer import ALIGN, STAGE, StreamedFile, io_pool, tensor_bytes
 
@@ -94,6 +94,8 @@ def produce(ckpt: Checkpoint, t: OutputTensor, block):
         return cast(w, t.dtype)
     if t.transform == "fp8_block_dequant":
         return _dequant(ckpt, t, w, block, t.dtype)
+    if t.transform.startswith("shape:"):  # a sliced int4 weight's weight_shape: the rank's [n, k]
+        return shape_value(t)
     if t.transform.startswith("quantize:"):  # an FP8 source is dequantized (float32) first
         src = _dequant(ckpt, t, w, block, "float32") if t.scale is not None else w.float()
         return quantize_part(src, t.transform, t.source, t.name, t.dtype)

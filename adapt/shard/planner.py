@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from adapt.errors import ShardError
 from adapt.layout import WeightLayout, is_quantizable, quantized_tensors
-from adapt.plan import ParallelPlan, TensorSlice, rank_tensors, scale_slice
+from adapt.plan import ParallelPlan, TensorSlice, rank_tensors, scale_slice, stored_slice_of
 from adapt.shard.checkpoint import Checkpoint
 from adapt.shard.manifest import OutputFile, OutputTensor, rank_dir
 from adapt.shard.transform import Quantize, plan_transform, target_dtype
@@ -32,7 +32,12 @@ def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, ran
     the checkpoint does not hold (``layout`` unties a tied head for ``--quantize-lm-head``) is read from the
     embedding."""
     scales = {t.scale_of: t for t in layout if t.scale_of is not None}
-    block = layout.spec.quant.block_size if layout.spec.quant else None
+    comps: dict[str, list] = {}
+    for c in layout:
+        if c.scale_of is not None:
+            comps.setdefault(c.scale_of, []).append(c)
+    q = layout.spec.quant
+    block = q.block_size if q else None
     lm_head = quantize is not None and quantize.lm_head
     embed = next((t.name for t in layout if t.role == "embed"), None)
     out = []
@@ -41,6 +46,9 @@ def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, ran
         if source not in names:
             continue
         src = ckpt.tensors[source]
+        if q is not None and q.method != "fp8" and t.name in comps:  # compressed-tensors, kept as stored
+            out += kept_parts(ckpt, t, s, comps[t.name], names, layout.spec)
+            continue
         scale = scales.get(t.name)
         if quantize is not None and is_quantizable(t, lm_head) and quantize.spec.quantizes(t.name):
             sl = TensorSlice(source, s.dim, s.start, s.stop)
@@ -56,6 +64,22 @@ def rank_outputs(ckpt: Checkpoint, layout: WeightLayout, plan: ParallelPlan, ran
             ssrc = ckpt.tensors[scale.name]
             out.append(OutputTensor(scale.name, scale.name, ssrc.file, ss, ss.shape(ssrc.shape), ssrc.shape, "none",
                                     ssrc.dtype, ssrc.dtype))
+    return out
+
+
+def kept_parts(ckpt: Checkpoint, t, s: TensorSlice, comps: list, names: set[str], spec) -> list[OutputTensor]:
+    """A compressed-tensors weight's stored tensors for rank slice ``s`` of its logical [N, K], as stored
+    (``stored_slice_of``: packed words, group-scale columns, zero-point rows); a sliced weight's ``weight_shape``
+    is rewritten to the rank's [n, k] (transform ``shape:NxK``)."""
+    out = []
+    for p in [t] + [c for c in comps if c.name in names]:
+        src = ckpt.tensors[p.name]
+        ps = stored_slice_of(p, t, s, spec)
+        transform = "none"
+        if p.name.endswith("weight_shape") and not s.whole:
+            transform = "shape:" + "x".join(str(d) for d in s.shape(t.shape))
+        out.append(OutputTensor(p.name, p.name, src.file, ps, ps.shape(src.shape), src.shape, transform, src.dtype,
+                                src.dtype))
     return out
 
 

@@ -228,9 +228,10 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
         raise ShardError("--quantize-lm-head needs --quantize int8 or int4")
     quant = Quantize.make(quantize, group_size, quantize_lm_head) if quantize else None
     layout = WeightLayout.from_spec(spec)  # a stored format the layout cannot hold is refused here
-    if spec.quant is not None and spec.quant.method != "fp8":
-        raise ShardError(f"{src_dir}: adapt shard does not slice {spec.quant.method} ({spec.quant.fmt}) checkpoints "
-                         "yet; adapt run reads them directly")
+    if spec.quant is not None and spec.quant.method != "fp8" and (dtype != "keep" or quant is not None):
+        raise ShardError(f"{src_dir}: adapt shard slices {spec.quant.method} ({spec.quant.fmt}) checkpoints as stored "
+                         f"(--dtype keep, no --quantize); got --dtype {dtype}"
+                         + (f" --quantize {quantize}" if quant is not None else "") + "; adapt run reads them directly")
     if plan is None:
         plan = load_plan_file(Path(plan_file), spec) if plan_file else ParallelPlan.build(spec, tp, pp, ep, dp)
     import adapt.plan as plan_mod

@@ -137,6 +137,14 @@ def reference_dequant(w: "torch.Tensor", scale: "torch.Tensor", block: tuple[int
     return blocks.view(rb * bm, cb * bn)[:rows, :cols].to(getattr(torch, dtype))
 
 
+def shape_value(t) -> "torch.Tensor":
+    """The tensor a ``shape:NxK`` transform writes (output tensor ``t``: a sliced int4 weight's weight_shape)."""
+    import torch
+
+    dims = [int(d) for d in t.transform.split(":", 1)[1].split("x")]
+    return torch.tensor(dims, dtype=getattr(torch, t.dtype))
+
+
 def quantize_part(w: "torch.Tensor", transform: str, weight: str, part: str, scale_dtype: str) -> "torch.Tensor":
     """Output tensor ``part`` of weight slice ``w`` (float) under a ``quantize:...`` transform. ``weight``: the
     source tensor; a part of another name (lm_head.weight_packed from a tied embedding) names its own weight."""

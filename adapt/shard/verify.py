@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 from adapt.errors import AdaptError
 from adapt.layout import WeightLayout
-from adapt.plan import ParallelPlan, scale_slice, tensor_slice
+from adapt.plan import ParallelPlan, stored_slice_of, tensor_slice
 from adapt.shard.checkpoint import IGNORED_SUFFIXES, open_checkpoint
 from adapt.shard.header import read_header
 from adapt.shard.manifest import Manifest, OutputTensor, check_rel_path, load_manifest
 from adapt.shard.stream import CHUNK, iter_slice, pread_into
-from adapt.shard.transform import quantize_part, reference_dequant
+from adapt.shard.transform import quantize_part, reference_dequant, shape_value
 from adapt.shard.hashing import buffer_address, sha256_file, sha256_files
 from adapt.spec import ModelSpec
 
@@ -89,7 +89,6 @@ def _check_plan(m: Manifest, rep: VerifyReport) -> None:
     except AdaptError as e:
         rep.add("manifest", "plan", str(e))
         return
-    block = spec.quant.block_size if spec.quant else None
     present = {t.source for f in m.files for t in f.tensors} | {t.scale for f in m.files for t in f.tensors if t.scale}
     for t in layout:
         if not t.mtp and t.name not in present:
@@ -102,7 +101,7 @@ def _check_plan(m: Manifest, rep: VerifyReport) -> None:
                 continue
             weight = layout.by_name[spec_t.scale_of] if spec_t.scale_of else spec_t
             ws = tensor_slice(weight, plan, f.rank, spec)
-            want = None if ws is None else (scale_slice(ws, spec_t, block) if spec_t.scale_of else ws)
+            want = None if ws is None else stored_slice_of(spec_t, weight, ws, spec)
             renamed = t.name != t.source and not t.transform.startswith("quantize:")  # quantized: its parts
             if want != t.slice or renamed:
                 rep.add("plan", t.name, f"rank {f.rank} holds {_fmt(t.slice)} but the plan gives "
@@ -301,6 +300,15 @@ def _check_source(m: Manifest, out: Path, src: Path, good: set[str], rep: Verify
 
                     if full is None:
                         full = ckpt.read(name)
+                    if t.transform.startswith("shape:"):  # the rank's [n, k], in the source's dtype
+                        if path not in handles:
+                            handles[path] = safe_open(str(out / path), framework="pt")
+                        same = _bitwise_equal(handles[path].get_tensor(t.name), shape_value(t))
+                        rep.tensors_compared += 1
+                        if not same:
+                            rep.add("source", f"{path}:{t.name}", f"is not the rank's weight shape {t.transform[6:]}")
+                        covered.append((0, dim_n))
+                        continue
                     if t.transform == "none":
                         ref = full
                     elif t.transform == "cast":

@@ -1,10 +1,11 @@
 """tp2 / ep2 runs of quantized shards give one rank's greedy tokens and logits (float32, gloo, tiny models).
 
 The one-rank reference is the unsharded quantized checkpoint (tests/fixtures/quant.py) run by adapt's engine.
-The shards keep its stored form: a DeepSeek-V3 fp8 checkpoint (16 x 16 blocks, so that every tp2 split falls on
-block edges) sharded with ``--dtype keep``, and a float Llama / Qwen3-MoE sharded with ``--quantize int4
---group-size 16`` (round-to-nearest per group: groups that tile each rank's columns give the bytes the
-fixture's whole-tensor quantization gives). All layouts share one launch of two forked ranks; fp8 tp2 and
+The shards keep its stored form (``--dtype keep``, checked by ``shard verify --source``): a DeepSeek-V3 fp8
+checkpoint (16 x 16 blocks, so that every tp2 split falls on block edges), compressed-tensors Llama int4 (groups
+of 16, symmetric and with zero points) and int8 (per channel), Qwen3-MoE int4; and the float Llama / Qwen3-MoE
+sharded with ``--quantize int4 --group-size 16`` (round-to-nearest per group: groups that tile each rank's
+columns give the bytes the fixture's whole-tensor quantization gives). All layouts share one launch of two forked ranks; fp8 tp2 and
 dp2.ep2 also go through the CLI (``adapt run --nproc 2``).
 """
 
@@ -23,8 +24,11 @@ PROMPTS = [[1, 5, 9, 33, 70, 11], [1, 7], [1, 200, 4]]
 MAX_TOKENS = 6
 LAYOUTS = [  # (model, how it is sharded, degrees)
     ("ds-fp8", "keep", dict(tp=2)), ("ds-fp8", "keep", dict(tp=2, ep=2)), ("ds-fp8", "keep", dict(dp=2, ep=2)),
+    ("llama-int4", "keep", dict(tp=2)), ("llama-int4z", "keep", dict(tp=2)), ("llama-int8", "keep", dict(tp=2)),
+    ("qwen3moe-int4", "keep", dict(tp=2, ep=2)), ("qwen3moe-int4", "keep", dict(tp=2)),
     ("llama-int4", "int4", dict(tp=2)), ("qwen3moe-int4", "int4", dict(tp=2, ep=2)),
 ]
+KIND = {"ds-fp8": "fp8", "llama-int4": "int4", "llama-int4z": "int4", "llama-int8": "int8", "qwen3moe-int4": "int4"}
 GROUP = 16  # divides every rank's K at tp2 (llama's o_proj: 48 per rank)
 
 
@@ -34,18 +38,22 @@ def _name(model, how, deg):
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from adapt.shard.run import shard
+    from adapt.shard import shard, verify
     from tests.fixtures.quant import save_quantized
 
     root = tmp_path_factory.mktemp("qdist")
     models = {"ds-fp8": save_quantized("deepseek_v3", root / "ds", "fp8", block=(16, 16))[0],
               "llama-int4": save_quantized("llama", root / "llama", "int4", group=GROUP)[0],
+              "llama-int4z": save_quantized("llama", root / "llama-z", "int4", group=GROUP, symmetric=False)[0],
+              "llama-int8": save_quantized("llama", root / "llama-8", "int8")[0],
               "qwen3moe-int4": save_quantized("qwen3_moe", root / "qwen3moe", "int4", group=GROUP)[0]}
     outs = {}
     for model, how, deg in LAYOUTS:
         out = root / _name(model, how, deg)
         if how == "keep":
             shard(models[model], out, dtype="keep", **deg)
+            rep = verify(out, source=models[model])
+            assert rep.ok, [p.line() for p in rep.problems]
         else:  # the float source the fixture quantized
             shard(models[model].parent / "src", out, quantize=how, group_size=GROUP, **deg)
         outs[_name(model, how, deg)] = out
@@ -81,7 +89,7 @@ def test_quantized_shards_match_one_rank(ckpts):
         assert got[0][li][0] == want, (model, deg)
         for rank in range(2):
             _, logits, nbytes, held = got[rank][li]
-            assert held == ["fp8" if how == "keep" else "int4"], (model, deg, rank, held)  # still quantized
+            assert held == [KIND[model]], (model, deg, rank, held)  # still quantized
             for p, a in zip(PROMPTS, logits):
                 b = eng.prefill_logits(p)
                 assert torch.allclose(a, b, atol=1e-4, rtol=0), (model, deg, rank, (a - b).abs().max().item())
