@@ -2,16 +2,20 @@
 
 Prints one JSON document:
   throughput: 16 concurrent streamed requests through HTTP (tokens/s over the wall time, TTFT and ITL p50 /
-    p99) against the same 16 prompts as one offline ``Engine.generate`` batch (the peer), and the ratio. The load
-    generator runs in its own process over bare asyncio connections (httpx's per-event parsing in the server's
-    process took ~8% of the 2-core host's throughput: 0.83x -> 0.93x here);
+    p99) against the same 16 prompts, max_tokens and greedy sampling as one offline ``Engine.generate`` batch on
+    the same engine (the peer, its prefill included), rounds alternated; the ratio is the median of the per-round
+    ratios (the headline: wall clock from the first connection to the last token, so the server's admission of
+    the 16 arrivals counts), ``steady_ratio`` the same from the moment every stream has its first token, and
+    ``engine_steps`` how many model steps each round took (64 tokens: 1 prefill + 63 decodes without a ramp).
+    The load generator runs in its own process over bare asyncio connections (httpx's per-event parsing in the
+    server's process took ~8% of the 2-core host's throughput: 0.83x -> 0.93x here);
   prefix_cache: TTFT of a request whose 512-token prefix was just served against the first request with
     that prefix (ratio; target <= 0.3), and whether the cached greedy tokens equal an uncached server's;
   chunked_prefill: while 4 streams decode, a 4096-token prompt arrives; the streams' inter-token latency
     (p50 / p99 / max) during its prefill with chunked prefill on against off (the peer).
 Medians of a few repeats after a warm-up. The machine this runs on may be shared: say so beside a figure.
 
-    python bench/serve_bench.py [--dtype float32] [--tokens 64] [--repeats 3] [--chunk 512]
+    python bench/serve_bench.py [--dtype float32] [--tokens 64] [--repeats 3] [--chunk 512] [--throughput-only]
 """
 
 from __future__ import annotations
@@ -115,55 +119,116 @@ def run_async(coro):
     return asyncio.run(coro)
 
 
-def _client(url: str, prompts: list[list[int]], n: int, repeats: int) -> dict:
-    """The load generator: 16 concurrent streams, a warm-up then ``repeats`` timed rounds."""
+def _round(url: str, prompts: list[list[int]], n: int) -> dict:
+    """One round of the load generator: every prompt streamed at once, all 16 connections opened together."""
     async def once():
         t0 = time.perf_counter()
         res = await asyncio.gather(*[raw_stream(url + "/v1/completions", {
             "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}) for p in prompts])
         return time.perf_counter() - t0, res
 
-    run_async(once())  # warm-up
-    walls, ttft, itl = [], [], []
-    for _ in range(repeats):
-        wall, res = run_async(once())
-        walls.append(wall)
-        short = [len(r["ids"]) for r in res if len(r["ids"]) != n]
-        if short:
-            raise RuntimeError(f"streams ended early: {short} tokens of {n}")
-        for r in res:
-            ttft.append(r["times"][0] - r["start"])
-            itl += [b - a for a, b in zip(r["times"], r["times"][1:])]
-    wall = statistics.median(walls)
-    return {"tokens_per_s": round(len(prompts) * n / wall, 2), "wall_s": round(wall, 4),
-            "ttft_p50_s": round(pct(ttft, 0.5), 4), "ttft_p99_s": round(pct(ttft, 0.99), 4),
-            "itl_p50_s": round(pct(itl, 0.5), 5), "itl_p99_s": round(pct(itl, 0.99), 5)}
+    wall, res = run_async(once())
+    short = [len(r["ids"]) for r in res if len(r["ids"]) != n]
+    if short:
+        raise RuntimeError(f"streams ended early: {short} tokens of {n}")
+    # steady state: from the moment every stream has its first token (the ramp and all prefills are over)
+    all_first = max(r["times"][0] for r in res)
+    end = max(r["times"][-1] for r in res)
+    after = sum(1 for r in res for t in r["times"] if t > all_first)
+    return {"wall_s": wall, "ttft": [r["times"][0] - r["start"] for r in res],
+            "itl": [b - a for r in res for a, b in zip(r["times"], r["times"][1:])],
+            "steady_tokens_per_s": after / (end - all_first) if end > all_first else None}
 
 
-def throughput(srv, prompts: list[list[int]], n: int, repeats: int, in_process: bool = False) -> dict:
-    """HTTP throughput. The load generator runs in its own process, as a client does (vLLM's and SGLang's serving
-    benchmarks are separate processes too): in this process its JSON parsing of every SSE event would take the
-    GIL from the server's engine and HTTP threads and be counted against the server."""
-    if in_process:
-        return _client(srv.url, prompts, n, repeats)
-    job = json.dumps({"url": srv.url, "prompts": prompts, "n": n, "repeats": repeats})
-    out = subprocess.run([sys.executable, __file__, "--client"], input=job, capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout)
+class Client:
+    """The load generator in its own process, as a client is (vLLM's and SGLang's serving benchmarks are separate
+    processes too): in the server's process its JSON parsing of every SSE event would take the GIL from the
+    server's engine and HTTP threads and be counted against the server. One ``round()`` per call, so HTTP rounds
+    can alternate with the offline peer's."""
+
+    def __init__(self, url: str, prompts: list[list[int]], n: int, in_process: bool = False):
+        self.job = {"url": url, "prompts": prompts, "n": n}
+        self.proc = None
+        if not in_process:
+            self.proc = subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+            self.proc.stdin.write(json.dumps(self.job) + "\n")
+            self.proc.stdin.flush()
+
+    def round(self) -> dict:
+        if self.proc is None:
+            return _round(self.job["url"], self.job["prompts"], self.job["n"])
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the load generator exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(30)
 
 
-def offline(engine, prompts: list[list[int]], n: int, repeats: int) -> dict:
-    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+def _client_main() -> None:
+    """--client: read the job line, then run one round per line that follows; one JSON line out per round."""
+    job = json.loads(sys.stdin.readline())
+    for _ in sys.stdin:
+        print(json.dumps(_round(job["url"], job["prompts"], job["n"])), flush=True)
+
+
+def _offline_round(engine, prompts: list[list[int]], sp: SamplingParams) -> dict:
+    t0 = time.perf_counter()
     engine.generate(prompts, sp)
-    walls, dec = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        engine.generate(prompts, sp)
-        walls.append(time.perf_counter() - t0)
-        dec.append(engine.last_stats["decode_tokens_per_s"])
-    wall = statistics.median(walls)
-    return {"tokens_per_s": round(len(prompts) * n / wall, 2), "wall_s": round(wall, 4),
-            "decode_tokens_per_s": statistics.median(dec)}
+    wall = time.perf_counter() - t0
+    st = engine.last_stats
+    steady = None
+    if st["time_to_first_token_s"] is not None and st["total_s"] > st["time_to_first_token_s"]:
+        steady = len(prompts) * (sp.max_tokens - 1) / (st["total_s"] - st["time_to_first_token_s"])
+    return {"wall_s": wall, "steady_tokens_per_s": steady, "steps": st["steps"]}
+
+
+def throughput(srv, engine, prompts: list[list[int]], n: int, repeats: int, in_process: bool = False) -> dict:
+    """HTTP at concurrency len(prompts) against the same prompts as one offline ``Engine.generate`` batch on the
+    same engine, rounds alternated (offline, HTTP, offline, ...) so that a load change on a shared host falls on
+    both sides; the ratio is the median of the per-round ratios. Between HTTP rounds the server's engine loop is
+    idle (no request in flight), so the offline batch is the only user of the engine and its KV cache."""
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    client = Client(srv.url, prompts, n, in_process)
+    loop = srv.service.loop
+    try:
+        engine.generate(prompts, sp)  # warm-up, both sides
+        client.round()
+        off, http, steps = [], [], []
+        for _ in range(repeats):
+            off.append(_offline_round(engine, prompts, sp))
+            before = loop.stats["steps"]
+            http.append(client.round())
+            steps.append(loop.stats["steps"] - before)
+    finally:
+        client.close()
+    tokens = len(prompts) * n
+    ratios = [(tokens / h["wall_s"]) / (tokens / o["wall_s"]) for o, h in zip(off, http)]
+    steady = [h["steady_tokens_per_s"] / o["steady_tokens_per_s"] for o, h in zip(off, http)
+              if h["steady_tokens_per_s"] and o["steady_tokens_per_s"]]
+    ttft = [x for h in http for x in h["ttft"]]
+    itl = [x for h in http for x in h["itl"]]
+    med = statistics.median
+    return {
+        "adapt_http": {"tokens_per_s": round(tokens / med([h["wall_s"] for h in http]), 2),
+                       "wall_s": round(med([h["wall_s"] for h in http]), 4),
+                       "steady_tokens_per_s": round(med([h["steady_tokens_per_s"] for h in http]), 2),
+                       "engine_steps": steps,
+                       "ttft_p50_s": round(pct(ttft, 0.5), 4), "ttft_p99_s": round(pct(ttft, 0.99), 4),
+                       "itl_p50_s": round(pct(itl, 0.5), 5), "itl_p99_s": round(pct(itl, 0.99), 5)},
+        "peer_offline_batch16": {"tokens_per_s": round(tokens / med([o["wall_s"] for o in off]), 2),
+                                 "wall_s": round(med([o["wall_s"] for o in off]), 4),
+                                 "steady_tokens_per_s": round(med([o["steady_tokens_per_s"] for o in off]), 2),
+                                 "engine_steps": [o["steps"] for o in off]},
+        "ratio": round(med(ratios), 3), "ratios": [round(r, 3) for r in ratios],
+        "steady_ratio": round(med(steady), 3) if steady else None,
+    }
 
 
 def prefix_ttft(srv, vocab: int, repeats: int, seed: int) -> dict:
@@ -218,8 +283,7 @@ def itl_during_long_prefill(srv, vocab: int, long_len: int) -> dict:
 
 def main() -> None:
     if sys.argv[1:] == ["--client"]:
-        job = json.loads(sys.stdin.read())
-        print(json.dumps(_client(job["url"], job["prompts"], job["n"], job["repeats"])))
+        _client_main()
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="float32")
@@ -228,6 +292,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens of the chunked server")
     ap.add_argument("--long", type=int, default=4096)
+    ap.add_argument("--throughput-only", action="store_true", help="skip the prefix-cache and chunked-prefill parts")
     ap.add_argument("--in-process-client", action="store_true",
                     help="run the load generator in the server's process (counts its GIL time against the server)")
     a = ap.parse_args()
@@ -236,25 +301,33 @@ def main() -> None:
         kw = dict(device=a.device, dtype=a.dtype, kv_cache_memory="1GiB", max_model_len=8192, max_num_seqs=32)
         on = Engine.from_pretrained(path, enable_prefix_caching=True, enable_chunked_prefill=True,
                                     max_num_batched_tokens=a.chunk, **kw)
-        off = Engine.from_pretrained(path, max_num_batched_tokens=8192, **kw)
+        off = None if a.throughput_only else Engine.from_pretrained(path, max_num_batched_tokens=8192, **kw)
         vocab = on.spec.vocab_size
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, vocab, (32,), generator=g).tolist() for _ in range(16)]
-        peer = offline(on, prompts, a.tokens, a.repeats)
         with start_server(on, config=ServiceConfig("bench")) as srv:
-            http = throughput(srv, prompts, a.tokens, a.repeats, a.in_process_client)
-            cached = prefix_ttft(srv, vocab, a.repeats, seed=7)
-            chunked = itl_during_long_prefill(srv, vocab, a.long)
-        with start_server(off, config=ServiceConfig("bench")) as srv:
-            uncached = prefix_ttft(srv, vocab, a.repeats, seed=7)
-            whole = itl_during_long_prefill(srv, vocab, a.long)
+            tp = throughput(srv, on, prompts, a.tokens, a.repeats, a.in_process_client)
+            if not a.throughput_only:
+                cached = prefix_ttft(srv, vocab, a.repeats, seed=7)
+                chunked = itl_during_long_prefill(srv, vocab, a.long)
+        if not a.throughput_only:
+            with start_server(off, config=ServiceConfig("bench")) as srv:
+                uncached = prefix_ttft(srv, vocab, a.repeats, seed=7)
+                whole = itl_during_long_prefill(srv, vocab, a.long)
     out = {
         "bench": "serve", "model": {k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")},
         "dtype": a.dtype, "device": a.device, "torch": torch.__version__, "host": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "throughput": {"concurrency": 16, "max_tokens": a.tokens,
-                       "client": "bare asyncio HTTP/1.1, " + ("in the server's process" if a.in_process_client else "own process"), "adapt_http": http, "peer_offline_batch16": peer,
-                       "ratio": round(http["tokens_per_s"] / peer["tokens_per_s"], 3)},
+                       "client": "bare asyncio HTTP/1.1, " + ("in the server's process" if a.in_process_client else "own process"),
+                       "rounds": "offline and HTTP alternated; ratio: median of per-round ratios of wall-clock tokens/s "
+                                 "(prefill and any admission ramp included); steady_ratio: the same after every "
+                                 "stream has its first token", **tp},
+    }
+    if a.throughput_only:
+        print(json.dumps(out, indent=1))
+        return
+    out.update({
         "prefix_cache": {"prefix_tokens": 512, "ttft_first_s": cached["ttft_first_s"],
                          "ttft_shared_prefix_s": cached["ttft_shared_prefix_s"],
                          "ratio": round(cached["ttft_shared_prefix_s"] / cached["ttft_first_s"], 3),
@@ -263,7 +336,7 @@ def main() -> None:
         "chunked_prefill": {"max_num_batched_tokens": a.chunk, "adapt_chunked": chunked, "peer_unchunked": whole,
                             "itl_max_ratio": round(chunked["itl_max_s"] / whole["itl_max_s"], 3)
                             if whole["itl_max_s"] else None},
-    }
+    })
     print(json.dumps(out, indent=1))
 
 
