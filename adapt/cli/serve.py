@@ -68,6 +68,9 @@ def serve(
                                 "one image, read from its header before decoding.")] = 64 << 20,
     image_fetch_timeout: Annotated[float, typer.Option("--image-fetch-timeout", min=0.1, help="Seconds one "
                                    "remote image's whole fetch may take.")] = 10.0,
+    batch_window_ms: Annotated[float, typer.Option("--batch-window-ms", min=0.0, help="An idle engine waits "
+        "this long after each arrival of a burst (at most 10x in all) so the burst is prefilled together; 0: "
+        "never wait.")] = 2.0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request on stderr.")] = False,
 ) -> None:
     """Serve MODEL over HTTP until Ctrl-C / SIGTERM; requests from all clients are batched together."""
@@ -93,7 +96,8 @@ def serve(
                         health_golden=health_golden, health_golden_interval_s=health_golden_interval,
                         allow_remote_images=allow_remote_images, limit_images_per_prompt=limit_images_per_prompt,
                         max_image_bytes=image_bytes,
-                        max_image_pixels=max_image_pixels, image_fetch_timeout_s=image_fetch_timeout)
+                        max_image_pixels=max_image_pixels, image_fetch_timeout_s=image_fetch_timeout,
+                        batch_window_s=batch_window_ms / 1000)
 
     def ready(srv) -> None:
         if host not in ("127.0.0.1", "::1", "localhost") and not api_key:

@@ -51,6 +51,7 @@ class ServiceConfig:
     health_golden: str | None = None  # a golden dir / file replayed by GET /health/golden
     health_golden_interval_s: float = 300.0
     retry_after_s: int = 1
+    batch_window_s: float = 0.002  # an idle engine waits this long after each arrival of a burst (loop.py)
     allow_remote_images: bool = False  # image_url parts may be http(s) URLs (fetched by the server)
     limit_images_per_prompt: int = 4
     max_image_bytes: int = MAX_BYTES  # encoded bytes of one image (a data: URL is bounded by the body too)
@@ -111,7 +112,8 @@ class Service:
         self.engine, self.config = engine, config
         self.tokenizer = engine.tokenizer
         self.metrics = ServiceMetrics(config.model_name, config.metrics_prefix, self._state)
-        self.loop = EngineLoop(engine, on_finish=self.metrics.finished, on_token=self.metrics.token_gap)
+        self.loop = EngineLoop(engine, on_finish=self.metrics.finished, on_token=self.metrics.token_gap,
+                               batch_window_s=config.batch_window_s)
         self.bridge = Bridge()
         self.loop.flush_hooks.append(self.bridge.flush)
         self.created = int(time.time())

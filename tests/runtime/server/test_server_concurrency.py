@@ -117,3 +117,44 @@ def test_timeout_and_disconnect_abort_and_free_the_cache(tiny_llama):
             time.sleep(0.05)
         assert srv.service.pending == 0 and eng.block_manager.usage().used_blocks == 0
         assert c.request("GET", "/health")[0] == 200
+
+
+def test_a_burst_reaching_an_idle_loop_is_prefilled_together(tiny_llama):
+    """Four requests 10 ms apart reach an idle loop whose batch window is 50 ms: one prefill step takes all four
+    (without the window the first would be prefilled alone while the others arrive)."""
+    from adapt.runtime.sampling import SamplingParams
+    from adapt.runtime.server.loop import Delta, EngineLoop
+
+    eng = load_engine(tiny_llama)
+    batches = []
+    step = eng.runner.step_with_prompt_logits
+
+    def record(sb):
+        batches.append((sb.kind, len(sb.seqs)))
+        return step(sb)
+
+    eng.runner.step_with_prompt_logits = record
+
+    class Out:
+        def __init__(self):
+            self.tokens, self.done = [], threading.Event()
+
+        def put(self, ev):
+            assert isinstance(ev, Delta), ev
+            self.tokens += ev.token_ids
+            if ev.finish_reason is not None:
+                self.done.set()
+
+    loop = EngineLoop(eng, batch_window_s=0.05)
+    loop.start()
+    try:
+        outs = [Out() for _ in range(4)]
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for i, o in enumerate(outs):
+            loop.submit([5 + i, 6, 7], sp, o)
+            time.sleep(0.01)
+        assert all(o.done.wait(TIMEOUT) for o in outs)
+    finally:
+        loop.stop()
+    assert batches[0] == ("prefill", 4), batches
+    assert [len(o.tokens) for o in outs] == [4] * 4
