@@ -69,6 +69,34 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _dequantized_model(auto: Any, path: Path, config: Any, dt: torch.dtype) -> Any:
+    """transformers' model of ``config`` without its quantization_config, holding the checkpoint's weights
+    dequantized by adapt (validate/dequant.py): the reference when transformers cannot load the format. The
+    float weights go through a temporary directory so that transformers' own checkpoint conversions (per-expert
+    tensors fused, renames) apply as for any checkpoint."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from adapt.validate.dequant import dequantized_state_dict
+
+    try:
+        sd = dequantized_state_dict(path)
+    except Exception as e:  # noqa: BLE001 (adapt's own errors name the tensor; anything else is reported too)
+        raise ValidationInputError(f"reference {path}: transformers cannot load it quantized and dequantizing it "
+                                   f"failed ({type(e).__name__}: {e})") from None
+    del config.quantization_config
+    with tempfile.TemporaryDirectory(prefix="adapt-dequant-") as tmp:
+        save_file({k: v.contiguous() for k, v in sd.items()}, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        del sd
+        config.save_pretrained(tmp)
+        try:
+            return auto.from_pretrained(tmp, config=config, dtype=dt)
+        except (OSError, ValueError) as e:
+            raise ValidationInputError(f"reference {path}: transformers cannot load its dequantized weights ({e})"
+                                       ) from None
+
+
 class TransformersModel:
     """A checkpoint run by transformers (implements ``target.ModelRunner``)."""
 
@@ -82,6 +110,7 @@ class TransformersModel:
         self.num_layers = int(cfg.num_hidden_layers)
         self.vocab_size = int(cfg.vocab_size)
         self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        self.dequantized_because: str | None = None  # set when a quantized checkpoint was dequantized at load
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32") -> TransformersModel:
@@ -98,15 +127,23 @@ class TransformersModel:
         config = transformers.AutoConfig.from_pretrained(p)
         stages["config"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        auto = (transformers.AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None
+                else transformers.AutoModelForCausalLM)  # llava, Qwen2.5-VL: the whole multimodal model
+        why_dequantized = None
         try:
-            auto = (transformers.AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None
-                    else transformers.AutoModelForCausalLM)  # llava, Qwen2.5-VL: the whole multimodal model
             model = auto.from_pretrained(p, config=config, dtype=dt)
-        except (OSError, ValueError) as e:
-            raise ValidationInputError(f"reference {p}: transformers cannot load it ({e})") from None
+        except Exception as e:  # noqa: BLE001 (a quantized format's loader may raise anything; see below)
+            if getattr(config, "quantization_config", None) is None:
+                if isinstance(e, (OSError, ValueError)):
+                    raise ValidationInputError(f"reference {p}: transformers cannot load it ({e})") from None
+                raise
+            why_dequantized = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+            model = _dequantized_model(auto, p, config, dt)
         model = model.to(device).eval()
         stages["weights"] = time.perf_counter() - t0
-        return cls(model, p.name, device, dt, stages)
+        out = cls(model, p.name, device, dt, stages)
+        out.dequantized_because = why_dequantized
+        return out
 
     # ------------------------------------------------------------------------------------------ runs
 
@@ -180,6 +217,10 @@ class HFReference:
         self.prompts = fixed_prompts(self.vocab_size, prompt_lengths)
         self._cache: dict[tuple, Any] = {}
         self.description = f"transformers float32 cpu: {self.path}"
+        self.dequantized_because = self.model.dequantized_because
+        if self.dequantized_because:
+            self.description += (" (dequantized at load by adapt: transformers could not load the quantized "
+                                 f"checkpoint, {self.dequantized_because})")
 
     def _memo(self, key: tuple, fn):
         if key not in self._cache:

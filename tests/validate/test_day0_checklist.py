@@ -4,9 +4,9 @@ from adapt.validate.checklist import default_checklist_path, load_checklist, thr
 
 KINDS = {"manifest_verify", "memory_vs_profile", "staged_init", "end_to_end", "image_path",
          "parallel_consistency", "operator_alignment", "layer_alignment", "long_context", "kv_quant_impact",
-         "service", "chat_template", "batch_invariance", "serving_load"}
+         "service", "chat_template", "batch_invariance", "serving_load", "weight_quant_impact"}
 SECTIONS = ["model_loading", "runtime_startup", "text_inference", "image_inference", "multi_device",
-            "operator_alignment", "layer_alignment", "long_context", "kv_cache_quant", "service",
+            "operator_alignment", "layer_alignment", "long_context", "kv_cache_quant", "weight_quant", "service",
             "serving"]
 THRESHOLD_LINE = re.compile(r"^\s*([A-Za-z0-9_]+_(?:min|max))\s*:\s*([^#\s]+)\s*(#.*)?$")
 ORIGIN = re.compile(r"#\s*\[(twin|fa2x|msprobe|vllm|runtime|adapt)\]")

@@ -37,6 +37,8 @@ SKIP_REASONS = {
     "operator_alignment": "needs the runtime's kernels; an endpoint is a black box",
     "layer_alignment": "needs per-layer hidden states; an endpoint is a black box",
     "kv_quant_impact": "the server's KV cache dtype is its own and cannot be switched through the API",
+    "weight_quant_impact": "needs the unquantized model's logits and per-layer hidden states beside the served "
+                           "model's; an endpoint is a black box",
 }
 # metric -> why an endpoint cannot report it (its threshold is dropped, by name, with this reason)
 UNMEASURABLE = {"startup_s": "the server was started elsewhere", "cosine": "the API returns top-N logprobs, "
