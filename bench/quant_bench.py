@@ -10,9 +10,12 @@ the per-round ratios. Prints one JSON document with the weight bytes each form h
 step reads (the weights less an embedding that only has rows looked up: the batch-1 ceiling's numerator) and
 the goals (issue 30: int8 >= 1.6x and int4 >= 2.5x bf16 at batch 1).
 
-llama.cpp's Q8_0 / Q4_0 are the second peer only where ``import llama_cpp`` works and a GGUF of the same
-weights is given (``--gguf-dir`` holding dense-q8_0.gguf / dense-q4_0.gguf): this bench installs and converts
-nothing itself, and says which of the two is missing.
+llama.cpp is the second peer where llama-cpp-python and gguf import (this bench installs nothing; without them
+the report says the peer is absent): bench/gguf_peer.py writes the same weights as GGUF BF16 / Q8_0 / Q4_0
+(and F32, checked against adapt float32: logits and greedy tokens), and llama.cpp's greedy decode at the same
+batch sizes, prompts, token counts and threads runs in the same alternated rounds; ratios adapt bf16 / BF16,
+int8 / Q8_0, int4 / Q4_0 (with and without lm_head quantized), and top-1 agreement of every form with adapt
+float32 on one 64-token prompt.
 
     python bench/quant_bench.py [--models dense,moe] [--decode-tokens 32] [--rounds 5] [--group-size 128]
                                 [--lm-head both|plain|quantized]
@@ -35,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gguf_peer  # noqa: E402
 from runtime_bench import DENSE, MOE, build  # noqa: E402
 
 from adapt.runtime.engine import Engine  # noqa: E402
@@ -60,36 +64,6 @@ def decode_tok_s(eng, ps, n) -> float:
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     eng.generate(ps, sp)
     return eng.last_stats["decode_tokens_per_s"]
-
-
-def llama_cpp_peer(name, batch_sizes, args, vocab):
-    """Q8_0 / Q4_0 batch-1 decode tok/s through llama-cpp-python, or why there is no such figure."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return {"absent": "llama-cpp-python is not installed (import llama_cpp failed); this bench installs nothing"}
-    if not args.gguf_dir:
-        return {"absent": "llama_cpp imports, but no --gguf-dir with GGUFs of these weights was given"}
-    out = {}
-    for q in ("q8_0", "q4_0"):
-        f = Path(args.gguf_dir) / f"{name}-{q}.gguf"
-        if not f.exists():
-            out[q] = {"absent": f"{f} not found"}
-            continue
-        llm = llama_cpp.Llama(model_path=str(f), n_ctx=256, n_threads=torch.get_num_threads(), verbose=False)
-        toks = prompts(1, 16, 1, vocab)[0]
-        n = args.decode_tokens
-        ts = []
-        for _ in range(args.rounds):
-            llm.reset()
-            llm.eval(toks)
-            t = time.perf_counter()
-            for _ in range(n):
-                tok = llm.sample(temp=0.0)
-                llm.eval([tok])
-            ts.append(n / (time.perf_counter() - t))
-        out[q] = {"b1_tok_s": round(statistics.median(ts), 2)}
-    return out
 
 
 def read_bytes(eng) -> int:
@@ -122,24 +96,50 @@ def bench_model(name, cfg, args, tmp: Path):
         res.setdefault("weight_bytes", {})[f] = eng.weight_bytes  # resident, as stats.weight_bytes reports
         res.setdefault("read_bytes_per_step", {})[f] = read_bytes(eng)
         res.setdefault("weights", {})[f] = eng.weights_held
+    timers = {f: (lambda ps, n, e=e: decode_tok_s(e, ps, n)) for f, e in engines.items()}
+    peers, res["llama_cpp"] = llama_cpp(src, tmp / f"{name}-gguf", engines, args, cfg["vocab_size"])
+    timers |= {f: (lambda ps, n, m=m: m.generate(ps, n)[1]) for f, m in peers.items()}
     for b in args.batches:
         ps = prompts(b, 16, b, cfg["vocab_size"])
-        for eng in engines.values():
-            decode_tok_s(eng, ps, n)  # warm-up at this batch
+        for t in timers.values():
+            t(ps, n)  # warm-up at this batch
         rounds = []
         for r in range(args.rounds):
-            order = forms if r % 2 == 0 else forms[::-1]  # alternate, so no form always runs after another
-            rounds.append({f: decode_tok_s(engines[f], ps, n) for f in order})
-        row = {f"{f}_tok_s": round(statistics.median(x[f] for x in rounds), 2) for f in forms}
+            order = list(timers) if r % 2 == 0 else list(timers)[::-1]  # alternate: no form always after another
+            rounds.append({f: timers[f](ps, n) for f in order})
+        row = {f"{f}_tok_s": round(statistics.median(x[f] for x in rounds), 2) for f in timers}
         for q in quants:
             row[f"{q}_vs_bf16"] = round(statistics.median(x[q] / x["bf16"] for x in rounds), 3)
             row[f"{q}_vs_bf16_per_round"] = [round(x[q] / x["bf16"], 3) for x in rounds]
+        for f, peer in gguf_peer.VERSUS.items():
+            if f in engines and peer in peers:
+                row[f"{f}_vs_{peer}"] = round(statistics.median(x[f] / x[peer] for x in rounds), 3)
+                row[f"{f}_vs_{peer}_per_round"] = [round(x[f] / x[peer], 3) for x in rounds]
         res[f"decode_b{b}"] = row
     # the batch-1 ceiling the bytes set, if decode read nothing but the weights once a step
     rb = res["read_bytes_per_step"]
     res["bytes_ratio_vs_bf16"] = {q: round(rb["bf16"] / rb[q], 3) for q in quants}
-    res["llama_cpp"] = llama_cpp_peer(name, args.batches, args, cfg["vocab_size"])
+    for m in peers.values():
+        m.close()
     return res
+
+
+def llama_cpp(src: Path, tmp: Path, engines: dict, args, vocab: int):
+    """llama.cpp's BF16 / Q8_0 / Q4_0 of the same weights (bench/gguf_peer.py), timed beside adapt's forms, and
+    its report: the F32 GGUF checked against adapt float32, top-1 agreement of every form with adapt float32."""
+    why = gguf_peer.absent()
+    if why or args.no_llama_cpp:
+        return {}, {"absent": why or "--no-llama-cpp"}
+    tmp.mkdir()
+    ref = Engine.from_pretrained(src, dtype="float32", kv_cache_memory="128MiB")
+    ids = prompts(1, 64, 99, vocab)[0]
+    seq_len = max(len(ids), 16 + args.decode_tokens) + 16
+    peers, rep = gguf_peer.open_peers(src, tmp, ref, torch.get_num_threads(), seq_len, ids)
+    rep["top1_vs_adapt_fp32"] = gguf_peer.top1_agreement(ref, engines, peers, ids)
+    n_params = sum(e.numel() for e in ref.model.state_dict().values()) if hasattr(ref.model, "state_dict") else None
+    rep["bytes_per_param"] = {f: round(e.weight_bytes / n_params, 4) for f, e in engines.items()} | {
+        f: round(b / n_params, 4) for f, b in rep["file_bytes"].items()} if n_params else None
+    return peers, rep
 
 
 def main():
@@ -152,7 +152,7 @@ def main():
     ap.add_argument("--lm-head", default="both", choices=("both", "plain", "quantized"),
                     help="quantized forms with lm_head kept bf16 (plain), quantized too, or both")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--gguf-dir", default="", help="GGUFs of the same weights: {model}-q8_0.gguf / {model}-q4_0.gguf")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp peer where it is installed")
     ap.add_argument("--smoke", action="store_true", help="tiny models, one round, 4 tokens: the bench runs")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
