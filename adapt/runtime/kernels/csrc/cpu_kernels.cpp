@@ -44,6 +44,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_tiled_dtypes", &moe_tiled_dtypes);
   m.def("moe_tiled_bf16_gemm", &moe_tiled_bf16_gemm);
   m.def("quant_linear", &quant_linear);
+#ifdef ADAPT_QDP
+  m.attr("QUANT_BF16_DOT") = true;  // bf16 decode of int8 / int4 weights by vdpbf16ps (quant_dot_bf16.h)
+#else
+  m.attr("QUANT_BF16_DOT") = false;
+#endif
   m.def("linear_tiled", &linear_tiled, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
 #ifdef ADAPT_VW
   m.attr("PANEL") = FMA_NR;  // columns per packed float32 panel of the tiled MoE kernel and linear_tiled
