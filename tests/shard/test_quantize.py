@@ -94,15 +94,19 @@ def test_bad_quantize_options(llama, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8", "int4+lm_head"])
 def test_runtime_weight_bytes_match_profile(llama, tmp_path, scheme):
     """stats.weight_bytes (resident, measured) against `adapt profile`'s weights line (from the layout: the
-    stored bytes of each format, scales included): within 2%."""
+    stored bytes of each format, scales included): within 2%; with lm_head quantized (tied source) too."""
     import subprocess
     import sys
 
     out = tmp_path / scheme
-    shard(llama, out, quantize=scheme, group_size=32)
+    if scheme.endswith("+lm_head"):
+        src = save_tiny("llama_tied", tmp_path / "src")[1]
+        shard(src, out, quantize=scheme.split("+")[0], group_size=32, quantize_lm_head=True)
+    else:
+        shard(llama, out, quantize=scheme, group_size=32)
     prof = subprocess.run([sys.executable, "-m", "adapt", "profile", str(out), "--format", "json"],
                           capture_output=True, text=True, check=True)
     want = json.loads(prof.stdout)["memory"]["weights_bytes"]
