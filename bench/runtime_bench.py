@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from adapt.runtime.backends.cpu_layouts import OneDNNExperts, OneDNNWeight, PanelWeight, TiledExperts  # noqa: E402
 from adapt.runtime.engine import Engine  # noqa: E402
 from adapt.runtime.tactics import TACTICS, host  # noqa: E402
 from adapt.runtime.models.batch import ForwardBatch  # noqa: E402
@@ -138,8 +139,9 @@ def moe_layer(hf, eng, dev, args):
         with torch.inference_mode():
             ours = timed(lambda: ours_block(x, fb), dev, args.repeat * 3)
             row = {"adapt_ms": round(ours * 1e3, 3),
-                   "adapt_path": ("tiled kernel" if ours_block.tiled is not None else
-                                  "packed loop" if ours_block.packed is not None else TACTICS.last)}
+                   "adapt_path": ("tiled kernel" if isinstance(ours_block.prepared_experts, TiledExperts) else
+                                  "packed loop" if isinstance(ours_block.prepared_experts, OneDNNExperts)
+                                  else TACTICS.last)}
             for impl in impls:
                 try:
                     hf.set_experts_implementation(impl) if hasattr(hf, "set_experts_implementation") else \
@@ -174,14 +176,23 @@ def gemm_floor(eng, dev, b, args):
     """Tokens/s if a decode step of b sequences did nothing but its weight GEMMs (every 2-D weight but the
     embedding, streamed in model order, packed as the engine holds them): the ceiling for a runtime doing
     these GEMMs in this dtype on this device."""
-    ws = [p for n, p in eng.model.named_parameters() if p.dim() == 2 and not n.startswith("embed")]
-    ws += [m.weight for m in eng.model.modules() if getattr(m, "packable", False)
-           and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 3]  # tiled float32
+    held = {id(m.weight): m for m in eng.model.modules() if isinstance(m, (OneDNNWeight, PanelWeight))}
+    ws = [held.get(id(p), p) for n, p in eng.model.named_parameters()
+          if (p.dim() == 2 or id(p) in held) and not n.startswith("embed")]
     if eng.model.lm_head.tied is not None:
         ws.append(eng.model.lm_head.tied.weight)
-    xs = {w.shape[1]: torch.randn(b, w.shape[1], device=dev, dtype=eng.dtype) for w in ws}
+
+    def k_of(w):
+        return (w.weight if isinstance(w, torch.nn.Module) else w).shape[1]
+
+    def gemm(x, w):  # an expert weight packed for oneDNN (OneDNNExperts) runs oneDNN's linear
+        if isinstance(w, torch.Tensor) and w.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return linear(x, w)
+
+    xs = {k_of(w): torch.randn(b, k_of(w), device=dev, dtype=eng.dtype) for w in ws}
     with torch.inference_mode():
-        t = timed(lambda: [linear(xs[w.shape[1]], w) for w in ws], dev, args.repeat * 3)
+        t = timed(lambda: [gemm(xs[k_of(w)], w) for w in ws], dev, args.repeat * 3)
     return b / t
 
 

@@ -30,8 +30,7 @@ from adapt.runtime import cpu_kernels
 from adapt.plan import tensor_slice
 from adapt.runtime.backends import prepare_weights, select_kernels
 from adapt.runtime.loader import load_weights, materialize
-from adapt.runtime.models.layers import linears_form
-from adapt.runtime.models.moe import experts_form, routers_form
+from adapt.runtime.backends.cpu_layouts import experts_form, linears_form, routers_form
 from adapt.runtime.model_runner import ModelRunner, prefill_tiles
 from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.registry import model_class
@@ -266,8 +265,8 @@ class Engine:
             "kernels": {"requested": self.kernels.impl, "ops": dict(self.kernels.backends)},  # op -> backend
             "cpu_kernels": (None if self.device.type != "cpu" else cpu_kernels.status()
                             if "cpu" in self.kernels.backends.values() else f"off (--kernels {self.kernels.impl})"),
-            "moe_experts": experts_form(self.model),  # tiled / oneDNN packed / stacked (models/moe.py)
-            "moe_router": routers_form(self.model),  # fused / torch (models/moe.py)
+            "moe_experts": experts_form(self.model),  # tiled / oneDNN packed / stacked (backends/cpu_layouts.py)
+            "moe_router": routers_form(self.model),  # fused / torch (backends/cpu_layouts.py)
             "linears": linears_form(self.model),  # {"fma panels" | "oneDNN packed" | "plain": count}
             "weight_bytes": self.weight_bytes,  # resident on the device, this rank (runtime/quant/load.py)
             "weights": self.weights_held,  # how each group is held: quantized forms, dense dtypes

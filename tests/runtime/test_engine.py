@@ -9,6 +9,7 @@ from adapt.errors import CheckpointError, RuntimeConfigError
 from adapt.runtime.cache.kv_pool import KVCacheSpec
 from adapt.runtime.engine import Engine, parse_memory
 from adapt.runtime.init_model import init_model
+from adapt.runtime.models.moe import MoE
 from adapt.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -149,7 +150,7 @@ def test_loads_shard_output_and_index_sharded(k2, tmp_path):
 def test_prepacked_bf16_linears_change_nothing(which, request):
     # oneDNN-packed linears (the CPU default for bfloat16) must give the very tokens of plain F.linear
     from adapt.runtime.kernels.moe_experts import onednn_packs
-    from adapt.runtime.models.layers import can_prepack
+    from adapt.runtime.backends.cpu_layouts import can_prepack
 
     if not can_prepack(torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN linear")
@@ -185,8 +186,8 @@ def test_float16_runs_where_onednn_cannot_pack_it(llama):
 def test_prepacked_fp32_linears_stay_within_fp32_tolerance(which, request, monkeypatch):
     # float32 packs by default (another summation order); 'exact' keeps it on F.linear, bitwise. The
     # experts pack where a timed trial says packing wins on this host: pinned to "wins" here
-    import adapt.runtime.models.moe as moe_mod
-    from adapt.runtime.models.layers import can_prepack
+    import adapt.runtime.backends.cpu_layouts as moe_mod
+    from adapt.runtime.backends.cpu_layouts import can_prepack
 
     if not can_prepack(torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN linear")
@@ -195,8 +196,7 @@ def test_prepacked_fp32_linears_stay_within_fp32_tolerance(which, request, monke
     packed = Engine.from_pretrained(path, kv_cache_memory="16MiB")
     exact = Engine.from_pretrained(path, kv_cache_memory="16MiB", prepack="exact")
     plain = Engine.from_pretrained(path, kv_cache_memory="16MiB", prepack="off")
-    tiled = [m for m in packed.model.modules() if getattr(m, "packable", False)
-             and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 3]
+    tiled = [m for m in packed.model.modules() if isinstance(m, moe_mod.PanelWeight)]
     assert sum(p.is_mkldnn for p in packed.model.parameters()) + len(tiled) > 0
     from adapt.runtime.kernels.linear_tiled import linear_tiles
     # float32 linears take the tiled FMA GEMM's column panels where this build has it, else oneDNN's layout
@@ -214,9 +214,10 @@ def test_prepacked_fp32_linears_stay_within_fp32_tolerance(which, request, monke
     prompts = _ragged(4)
     assert [r.token_ids for r in packed.generate(prompts, GREEDY)] == \
         [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    moes = [m for m in packed.model.modules() if hasattr(m, "pack_experts")]
-    assert all(m.packed is not None and m.w_gate_up is None for m in moes)  # float32 experts packed too
-    assert not any(m.packed is not None for m in exact.model.modules() if hasattr(m, "pack_experts"))
+    moes = [m for m in packed.model.modules() if isinstance(m, MoE)]
+    # float32 experts packed too
+    assert all(isinstance(m.prepared_experts, moe_mod.OneDNNExperts) and m.w_gate_up is None for m in moes)
+    assert not any(m.prepared_experts is not None for m in exact.model.modules() if isinstance(m, MoE))
     assert (which == "k2") == bool(moes)
 
 
@@ -224,7 +225,7 @@ def test_prepacked_fp32_linears_stay_within_fp32_tolerance(which, request, monke
 def test_tiled_moe_experts_keep_tokens_and_logits(k2, dtype, monkeypatch):
     # the fused tiled MoE kernel (moe_gemm.h) where its trial wins, pinned to "wins" here: the same greedy
     # tokens as the unpacked model in float32 and logits within float32 tolerance; never under 'exact'
-    import adapt.runtime.models.moe as moe_mod
+    import adapt.runtime.backends.cpu_layouts as moe_mod
     from adapt.runtime import cpu_kernels
     from adapt.runtime.kernels.moe_tiled import tiles
 
@@ -235,13 +236,14 @@ def test_tiled_moe_experts_keep_tokens_and_logits(k2, dtype, monkeypatch):
     tiled = Engine.from_pretrained(k2, dtype=dtype, kv_cache_memory="16MiB")
     plain = Engine.from_pretrained(k2, dtype=dtype, kv_cache_memory="16MiB", prepack="off")
     exact = Engine.from_pretrained(k2, dtype=dtype, kv_cache_memory="16MiB", prepack="exact")
-    moes = [m for m in tiled.model.modules() if hasattr(m, "pack_experts")]
-    assert moes and all(m.tiled is not None and m.w_gate_up is None for m in moes)
+    moes = [m for m in tiled.model.modules() if isinstance(m, MoE)]
+    assert moes and all(isinstance(m.prepared_experts, moe_mod.TiledExperts) and m.w_gate_up is None for m in moes)
     tiled.generate([[1, 2, 3]], GREEDY)
     assert tiled.last_stats["moe_experts"].startswith("tiled (")
     plain.generate([[1, 2, 3]], GREEDY)
     assert plain.last_stats["moe_experts"] == "stacked"
-    assert not any(m.tiled is not None for e in (plain, exact) for m in e.model.modules() if hasattr(m, "tiled"))
+    assert not any(m.prepared_experts is not None for e in (plain, exact) for m in e.model.modules()
+                   if isinstance(m, MoE))
     ids = [0, 5, 9, 33, 2, 17, 40]
     a, b = tiled.prefill_logits(ids).float(), plain.prefill_logits(ids).float()
     if dtype == "float32":
@@ -254,7 +256,7 @@ def test_tiled_moe_experts_keep_tokens_and_logits(k2, dtype, monkeypatch):
 
 
 def test_a_pinned_moe_strategy_keeps_the_experts_stacked(k2, monkeypatch):
-    import adapt.runtime.models.moe as moe_mod
+    import adapt.runtime.backends.cpu_layouts as moe_mod
 
     monkeypatch.setattr(moe_mod, "packing_wins", lambda block, dtype, form="onednn": True)
     monkeypatch.setenv("ADAPT_MOE_STRATEGY", "loop")
@@ -275,6 +277,7 @@ def test_a_bad_moe_strategy_pin_is_refused_at_load(llama, monkeypatch):
 def test_a_tied_head_packs_the_embedding_which_reads_its_panels(dtype, tmp_path):
     # where linear_tiled takes the dtype, a head tied to the embedding takes column panels in the embedding
     # itself (no second copy), and the embedding's lookup reads them: the same rows, logits within tolerance
+    from adapt.runtime.backends.cpu_layouts import PanelWeight
     from adapt.runtime.kernels.linear_tiled import linear_tiles
     from tests.fixtures.tiny import save_tiny
 
@@ -285,9 +288,9 @@ def test_a_tied_head_packs_the_embedding_which_reads_its_panels(dtype, tmp_path)
     emb, head = packed.model.embed, packed.model.lm_head
     assert head.tied is emb and head.weight is None
     if not linear_tiles(v, h, getattr(torch, dtype)):
-        assert emb.weight.dim() == 2
+        assert isinstance(emb.weight, torch.Tensor)
         pytest.skip(f"linear_tiled does not take {dtype} here")
-    assert emb.weight.dim() == 3 and plain.model.embed.weight.dim() == 2
+    assert isinstance(emb.weight, PanelWeight) and isinstance(plain.model.embed.weight, torch.Tensor)
     ids = torch.tensor([0, 3, v - 1, 17, 3])
     assert torch.equal(emb.rows(ids), plain.model.embed.rows(ids))
     packed.generate([[1, 2, 3]], GREEDY)
@@ -306,7 +309,7 @@ def test_a_tied_head_packs_the_embedding_which_reads_its_panels(dtype, tmp_path)
 def test_cpu_weights_in_huge_pages_change_no_token(k2, monkeypatch):
     # every weight and packed expert of the tiny model through host_memory.empty_huge (its 4 MiB floor lowered
     # to 0): each starts on a 2 MiB boundary, and the tokens and logits are those of plain pages, bit for bit
-    import adapt.runtime.models.moe as moe_mod
+    import adapt.runtime.backends.cpu_layouts as moe_mod
     from adapt.runtime import host_memory
 
     if not host_memory.huge_pages_wanted():

@@ -77,7 +77,7 @@ def test_fp8_output_and_fp8_source_to_int4(tmp_path, llama):
     assert rep.ok, [p.line() for p in rep.problems]
     e4 = Engine.from_pretrained(out4, dtype="float32")
     assert {m.kind for m in e4.model.modules() if isinstance(m, QuantizedWeight)} == {"int4"}
-    from adapt.runtime.models.moe import experts_form
+    from adapt.runtime.backends.cpu_layouts import experts_form
 
     assert experts_form(e4.model) == "quantized (int4 g16)"
     t4 = Engine.from_pretrained(out4, dtype="float32", kernels="reference")

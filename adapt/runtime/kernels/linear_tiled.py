@@ -7,10 +7,10 @@ panels in order, two threads on halves of them, prefetching the next panel sprea
 reference Xeon: the bench dense model's 400 MB of weights in model order, 1 row 1.18-1.22x, 16 rows
 1.12-1.16x; at 64-1024 rows (one weight, in cache) 2-5% faster. Sums run in k order per
 output, in float32: not bitwise with F.linear (the oneDNN linear is not either), within the float32
-tolerance. ``prepack_linears`` takes it for float32 weights whose N is a multiple of the panel, and for
-bfloat16 ones on a CPU without bf16 dot products (no AMX or AVX512-BF16: AMD Zen 3, where oneDNN cannot pack
-bfloat16 and F.linear runs it several times slower than float32), and float16 ones where oneDNN cannot pack
-float16 (no AVX512-FP16 or AMX-FP16; F.linear took 3.1 ms for a [16, 768] x [768, 2048] float16 linear on a
+tolerance. ``prepack_linears`` (backends/cpu_layouts.py) takes it for float32 weights whose N is a multiple
+of the panel, and for bfloat16 ones on a CPU without bf16 dot products (no AMX or AVX512-BF16: AMD Zen 3, where
+oneDNN cannot pack bfloat16 and F.linear runs it several times slower than float32), and float16 ones where oneDNN
+cannot pack float16 (no AVX512-FP16 or AMX-FP16; F.linear took 3.1 ms for a [16, 768] x [768, 2048] float16 linear on a
 2-core AMD EPYC, 1.1 ms in float32). There the panels hold the 16-bit values, widened to float32 as they are
 read, x's rows are taken as float32, and each output rounds once, after the bias.
 """

@@ -27,7 +27,7 @@ last local expert by the sort instead of filtered with nonzero. On CPU, low-prec
 run at bucketed row counts (rows.bucket_rows) so that varying expert loads reuse compiled primitives.
 
 ``moe_experts_packed`` is the CPU form with each expert's gate|up and down packed once into oneDNN's
-blocked layout, one packed GEMM pair per expert segment; MoE.pack_experts switches a model to it at
+blocked layout, one packed GEMM pair per expert segment; cpu_layouts.pack_experts switches a model to it at
 load where a timed trial says it wins, after the fused moe_experts_tiled (moe_tiled.py), tried first
 (1.25-1.6x over the stacked form from 4 to 1024 tokens, float32 on a 2-core AMD EPYC).
 """
@@ -109,7 +109,7 @@ def moe_experts_packed(
 ) -> torch.Tensor:
     """moe_experts_fused with each expert's weights packed once for oneDNN (CPU): w_gate_up[e] [2I, H] and
     w_down[e] [H, I], from ``pack_expert_weights``. One packed GEMM pair per expert segment (the loop
-    path only); the model takes it where a trial at load says it beats the stacked paths (MoE.pack_experts)."""
+    path only); the model takes it where a trial at load says it beats the stacked paths (cpu_layouts.pack_experts)."""
     e = len(w_gate_up)
     inter = w_gate_up[0].shape[0] // 2 if e else 0
 

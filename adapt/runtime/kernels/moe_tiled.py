@@ -10,7 +10,7 @@ the slots by expert (a counting sort), gathers each expert's rows, runs gate|up,
 the weighted combine, with no torch op between them: on a CPU, each torch op between two weight GEMMs costs a
 fixed 15-25 us, and oneDNN re-packs stacked bfloat16 weights on every call. Rounding follows the torch form:
 in bfloat16 (float16 alike), gate|up and down round to bfloat16 after their float32 accumulation, silu
-rounds, then the product; the combine sums in float32. MoE.pack_experts takes it at load where a timed trial
+rounds, then the product; the combine sums in float32. cpu_layouts.pack_experts takes it at load where a timed trial
 says it wins. On a 2-core AMX Xeon, 32 experts top-4, H 512, I 256, experts alone, stacked / tiled, ms:
 bfloat16 512 tokens 5.7 / 1.6, 16 tokens 2.7 / 0.55; float32 512 tokens 8.7 / 5.7.
 """

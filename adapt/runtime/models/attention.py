@@ -1,6 +1,6 @@
 """Attention of the decoder layers: GQA/MHA/MQA (llama family) and DeepSeek's multi-head latent (MLA).
 
-# Legend: T packed tokens, B sequences, H this rank's query heads, Hkv its kv heads, D head dim,
+# Legend: T tokens (all sequences concatenated), B sequences, H this rank's query heads, Hkv its kv heads, D head dim,
 # Dn / Dr / Dv MLA nope / rope / value head dims, R kv_lora_rank.
 
 Prefill attends over the step's own keys with the tiled varlen kernel and writes them to the paged
@@ -126,7 +126,7 @@ class MLAAttention(nn.Module):
         self.kv_a_norm = RMSNorm(n(i, "kv_a_norm"), self.r, eps)
         self.kv_b_proj = ColumnParallelLinear([(n(i, "attn_kv_b"), None, self.num_heads * (self.dn + self.dv))],
                                               self.r, ctx)
-        self.kv_b_proj.packable = False  # the absorbed decode reads its weight per head
+        self.kv_b_proj.any_layout = False  # the absorbed decode reads its weight per head
         self.o_proj = RowParallelLinear(n(i, "attn_o"), n.get(i, "attn_o_bias"), self.num_heads * self.dv, h, ctx)
         self.scale: float = qd ** -0.5  # set by the model with the yarn mscale
         self.rotary: Rotary | None = None

@@ -1,8 +1,8 @@
 """What one forward step needs besides the token ids: positions, cache slots, sequence boundaries.
 
-# Legend: T packed tokens of the step, B sequences, MAXB block-table width.
+# Legend: T tokens of the step (sequences concatenated), B sequences, MAXB block-table width.
 
-A prefill step packs every token of B sequences (``cu_seqlens``); a decode step has one token per
+A prefill step concatenates every token of B sequences (``cu_seqlens``); a decode step has one token per
 sequence and reads the paged cache (``block_tables``, ``seq_lens`` counting the new token). A prefill
 whose sequences start after a cached prefix (a prefix-cache hit or a later chunk of a chunked prefill)
 carries ``context_slots`` / ``cu_seqlens_k``: attention reads their keys back from the cache.

@@ -80,7 +80,7 @@ def prepare(model: nn.Module, spec: ModelSpec, layout: WeightLayout, slice_of: S
             n_done += 1
             continue
         w = m._parameters.get("weight") if isinstance(m, nn.Module) else None
-        if (not getattr(m, "packable", False) or getattr(m, "tied", None) is not None or w is None
+        if (not getattr(m, "any_layout", False) or getattr(m, "tied", None) is not None or w is None
                 or w.dim() != 2):
             continue
         srcs = _sources(m)

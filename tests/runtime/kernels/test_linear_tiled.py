@@ -133,7 +133,8 @@ def test_kernel_refuses_what_it_does_not_take():
 
 def test_prepacked_float32_layers_take_it_and_keep_their_outputs():
     _need()
-    from adapt.runtime.models.layers import Linear, linear, prepack_linears
+    from adapt.runtime.backends.cpu_layouts import PanelWeight, prepack_linears
+    from adapt.runtime.models.layers import Linear, linear
 
     layer = Linear("l", 96, 2 * tiled_panel(torch.float32), dtype=torch.float32)
     torch.nn.init.normal_(layer.weight, std=0.1)
@@ -143,14 +144,15 @@ def test_prepacked_float32_layers_take_it_and_keep_their_outputs():
     x = torch.randn(5, 96)
     want, want_odd = F.linear(x, layer.weight), F.linear(x, odd.weight)
     assert prepack_linears(model, tiled=True) == 2
-    assert layer.weight.dim() == 3 and not odd.weight.dim() == 3  # the odd one: oneDNN's layout or plain
+    assert isinstance(layer.weight, PanelWeight) and not isinstance(odd.weight, PanelWeight)  # the odd one: oneDNN's layout or plain
     assert_fp32_close(linear(x, layer.weight), want, "tiled layer")
     assert_fp32_close(linear(x, odd.weight), want_odd, "odd layer")
 
 
 def test_prepacked_bfloat16_layers_take_it_where_the_cpu_has_no_bf16_dot_product():
     _need()
-    from adapt.runtime.models.layers import Linear, linear, prepack_linears
+    from adapt.runtime.backends.cpu_layouts import PanelWeight, prepack_linears
+    from adapt.runtime.models.layers import Linear, linear
 
     n = 2 * tiled_panel(torch.float32)
     layer = Linear("l", 96, n, dtype=torch.bfloat16)
@@ -158,5 +160,5 @@ def test_prepacked_bfloat16_layers_take_it_where_the_cpu_has_no_bf16_dot_product
     x = torch.randn(5, 96).bfloat16()
     want, w = F.linear(x, layer.weight), layer.weight.detach().clone()
     prepack_linears(torch.nn.ModuleList([layer]), tiled=True)
-    assert (layer.weight.dim() == 3) == linear_tiles(n, 96, torch.bfloat16)
+    assert isinstance(layer.weight, PanelWeight) == linear_tiles(n, 96, torch.bfloat16)
     assert_lowp_close(linear(x, layer.weight), want, F.linear(x.float(), w.float()), "bf16 layer")

@@ -118,7 +118,8 @@ def test_softmax_routers_run_fused(tiny_dir, name):
     # DeepSeek ones keep theirs; both forms give the same logits (and test_matches_transformers holds with it)
     from adapt.runtime import cpu_kernels
     from adapt.runtime.kernels.moe_routing import router_panel
-    from adapt.runtime.models.moe import MoE, routers_form
+    from adapt.runtime.backends.cpu_layouts import routers_form
+    from adapt.runtime.models.moe import MoE
 
     _, path = tiny_dir(name)
     eng = Engine.from_pretrained(path, kv_cache_memory="8MiB")
@@ -126,11 +127,11 @@ def test_softmax_routers_run_fused(tiny_dir, name):
     assert blocks
     fused = cpu_kernels.load() is not None and router_panel(blocks[0].moe.num_experts, torch.float32) > 0
     for b in blocks:
-        assert (b.router_panels is not None) == (fused and not b.deepseek)
+        assert (b.prepared_router is not None) == (fused and not b.deepseek)
     assert routers_form(eng.model) == ("fused" if fused and not blocks[0].deepseek else "torch")
     ids = [1, 5, 9, 33, 7, 100, 3]
     a = eng.prefill_logits(ids)
     for b in blocks:
-        b.router_panels = None
+        b.prepared_router = None
     assert routers_form(eng.model) == "torch"
     assert (a - eng.prefill_logits(ids)).abs().max().item() < 1e-5
