@@ -90,19 +90,46 @@ class Bridge:
 
 def _deliver(batch: list) -> None:
     for sink, ev in batch:
-        sink.queue.put_nowait(ev)
+        sink.push(ev)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class Sink:
-    """A request's event queue on its event loop; the engine loop calls ``put`` from its thread."""
+    """A request's events on its event loop; the engine loop calls ``put`` from its thread. ``get`` hands
+    over every event delivered so far, waiting on one bare future when there is none (no task, no queue per
+    event: each stream wakes once per engine step for a few microseconds of the HTTP thread)."""
 
     def __init__(self, bridge: Bridge):
         self.bridge = bridge
         self.aloop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self._events: list = []
+        self._waiter: asyncio.Future | None = None
 
     def put(self, ev: Any) -> None:
         self.bridge.post(self, ev)
+
+    def push(self, ev: Any) -> None:
+        """On the event loop: one event arrived."""
+        self._events.append(ev)
+        if self._waiter is not None:
+            _wake(self._waiter)
+
+    async def get(self, timeout: float) -> list:
+        """Every event not yet taken, after waiting up to ``timeout`` seconds for one; [] if none came."""
+        if not self._events:
+            waiter = self._waiter = self.aloop.create_future()
+            timer = self.aloop.call_later(timeout, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        out, self._events = self._events, []
+        return out
 
 
 class Service:
@@ -290,15 +317,11 @@ class Service:
             if left <= 0:
                 raise APIError(504, f"the request did not finish within {self.config.request_timeout_s:g} s",
                                "timeout_error", None, "timeout")
-            try:
-                ev = await asyncio.wait_for(sink.queue.get(), min(left, 1.0))
-            except asyncio.TimeoutError:
+            batch = await sink.get(min(left, 1.0))
+            if not batch:
                 if gone is not None and await gone():
-                    raise ConnectionAbortedError("the client went away") from None
+                    raise ConnectionAbortedError("the client went away")
                 continue
-            batch = [ev]
-            while not sink.queue.empty():
-                batch.append(sink.queue.get_nowait())
             out = []
             for e in batch:
                 if isinstance(e, Failed):
