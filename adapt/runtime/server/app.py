@@ -27,6 +27,7 @@ ROUTES = ("GET /health", "GET /health/golden", "GET /metrics", "GET /version", "
           "GET /v1/models/{id}", "POST /tokenize", "POST /detokenize", "POST /v1/completions",
           "POST /v1/chat/completions")
 _OPEN = ("/health", "/health/golden")  # never behind the key: load balancers probe them
+_GENERATION = ("/v1/completions", "/v1/chat/completions")
 
 
 def _version() -> str:
@@ -63,11 +64,14 @@ class Limits:
             e = APIError(429, f"the service has {self.open} open requests (limit {cfg.max_connections}); retry later",
                          "server_overloaded", None, "overloaded")
             return await error_response(e, {"Retry-After": str(cfg.retry_after_s)})(scope, receive, send)
+        gen = path in _GENERATION  # counted so that an idle engine waits for a burst still being parsed
         self.open += 1
+        self.service.http_open += gen
         try:
             await self.app(scope, receive, send)
         finally:
             self.open -= 1
+            self.service.http_open -= gen
 
 
 def _authorized(scope, key: str) -> bool:

@@ -11,7 +11,8 @@ asyncio server wakes once per step, not once per token. While the loop runs it i
 engine's KV cache.
 
 A burst of requests reaching an idle loop is admitted together: the loop waits while they keep arriving
-(``batch_window_s`` after the latest, at most ``10 x`` that in all) before its first step. Without the wait
+(``batch_window_s`` after the latest, or while ``arriving()`` says the HTTP side holds requests it has not
+submitted yet; at most ``10 x batch_window_s`` in all) before its first step. Without the wait
 the first arrival's prefill starts at once and holds the GIL (the CPU kernels do), the HTTP thread cannot
 parse the rest, and a burst of 16 runs as prefill(1), decode(1), prefill(15): two extra steps, ~3% of a
 64-token round on a 2-core host. A lone request's first token comes ``batch_window_s`` later.
@@ -86,9 +87,11 @@ class EngineLoop:
 
     def __init__(self, engine, max_num_seqs: int | None = None,
                  on_finish: Callable[[Sequence, Timing], None] | None = None,
-                 on_token: Callable[[float], None] | None = None, batch_window_s: float = 0.002):
+                 on_token: Callable[[float], None] | None = None, batch_window_s: float = 0.002,
+                 arriving: Callable[[], int] | None = None):
         self.engine = engine
         self.batch_window_s = batch_window_s
+        self.arriving = arriving or (lambda: 0)
         tok = engine.tokenizer
         self.scheduler = Scheduler(engine.block_manager, max_num_seqs=max_num_seqs or engine.max_num_seqs,
                                    max_num_batched_tokens=engine.max_num_batched_tokens,
@@ -190,7 +193,7 @@ class EngineLoop:
             if left <= 0:
                 return
             self._cv.wait(min(w, left))
-            if len(self._inbox) == n:
+            if len(self._inbox) == n and self.arriving() <= 0:
                 return
             n = len(self._inbox)
 

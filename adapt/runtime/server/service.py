@@ -139,8 +139,9 @@ class Service:
         self.engine, self.config = engine, config
         self.tokenizer = engine.tokenizer
         self.metrics = ServiceMetrics(config.model_name, config.metrics_prefix, self._state)
+        self.http_open = 0  # generation requests the HTTP side has accepted (app.Limits counts them)
         self.loop = EngineLoop(engine, on_finish=self.metrics.finished, on_token=self.metrics.token_gap,
-                               batch_window_s=config.batch_window_s)
+                               batch_window_s=config.batch_window_s, arriving=self.arriving)
         self.bridge = Bridge()
         self.loop.flush_hooks.append(self.bridge.flush)
         self.created = int(time.time())
@@ -162,6 +163,10 @@ class Service:
 
     def stop(self) -> None:
         self.loop.stop()
+
+    def arriving(self) -> int:
+        """Generation requests accepted over HTTP and not yet submitted to the loop (read on the loop thread)."""
+        return self.http_open - self._pending
 
     @property
     def pending(self) -> int:

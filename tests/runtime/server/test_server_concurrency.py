@@ -11,6 +11,8 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from tests.runtime.server.conftest import PROMPTS, TIMEOUT, Client, load_engine
 
 
@@ -119,9 +121,12 @@ def test_timeout_and_disconnect_abort_and_free_the_cache(tiny_llama):
         assert c.request("GET", "/health")[0] == 200
 
 
-def test_a_burst_reaching_an_idle_loop_is_prefilled_together(tiny_llama):
-    """Four requests 10 ms apart reach an idle loop whose batch window is 50 ms: one prefill step takes all four
-    (without the window the first would be prefilled alone while the others arrive)."""
+@pytest.mark.parametrize("window, gap, announced", [(0.05, 0.01, False), (0.01, 0.03, True)],
+                         ids=["within-window", "announced-by-http"])
+def test_a_burst_reaching_an_idle_loop_is_prefilled_together(tiny_llama, window, gap, announced):
+    """Four requests ``gap`` apart reach an idle loop: one prefill step takes all four (without the window the
+    first would be prefilled alone while the others arrive). Arrivals further apart than the window are waited
+    for while ``arriving()`` says the HTTP side is still reading them (up to 10x the window)."""
     from adapt.runtime.sampling import SamplingParams
     from adapt.runtime.server.loop import Delta, EngineLoop
 
@@ -145,14 +150,15 @@ def test_a_burst_reaching_an_idle_loop_is_prefilled_together(tiny_llama):
             if ev.finish_reason is not None:
                 self.done.set()
 
-    loop = EngineLoop(eng, batch_window_s=0.05)
+    sent = []
+    loop = EngineLoop(eng, batch_window_s=window, arriving=(lambda: 4 - len(sent)) if announced else None)
     loop.start()
     try:
         outs = [Out() for _ in range(4)]
         sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         for i, o in enumerate(outs):
-            loop.submit([5 + i, 6, 7], sp, o)
-            time.sleep(0.01)
+            sent.append(loop.submit([5 + i, 6, 7], sp, o))
+            time.sleep(gap)
         assert all(o.done.wait(TIMEOUT) for o in outs)
     finally:
         loop.stop()
