@@ -4,15 +4,20 @@ a Qwen2.5-VL-shaped model of a few tens of millions of parameters built here (ra
 
 Prints one JSON document: per model and dtype, median milliseconds of adapt and transformers and the median of
 their per-pair ratios (transformers / adapt: above 1 is adapt faster), after a warm-up, the two timed alternately.
-The host is whatever runs it: on a shared machine say so next to the figures.
+The host is whatever runs it: on a shared machine say so next to the figures (``--threads 1`` keeps a
+loaded host's descheduled OpenMP threads out of both sides' times; both run in this process with the same
+torch thread count). The prompt is the same for both (adapt's placeholder expansion, the image's token count
+from the same processor settings); transformers computes the last position's logits only
+(``logits_to_keep=1``), as adapt does, and neither side keeps a KV cache.
 
-    python bench/vision_bench.py [--dtypes float32,bfloat16] [--repeats 7]
+    python bench/vision_bench.py [--dtypes float32,bfloat16] [--repeats 7] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -64,7 +69,8 @@ def _image():
 def _paired_ms(ours, ref, repeats) -> dict:
     """Both warmed up, then timed alternately (ours, ref, ours, ...) so a load that drifts on a shared host
     slows both alike: median ms of each and the median of the per-pair ratios (ref / ours)."""
-    ours(), ref()
+    for _ in range(2):  # oneDNN compiles its primitives on the first call of a shape
+        ours(), ref()
     a, r = [], []
     for _ in range(repeats):
         for fn, ts in ((ours, a), (ref, r)):
@@ -124,12 +130,17 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--models", default="llava,qwen2_5_vl")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0: torch's default)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     import transformers
 
     doc = {"host": {"machine": platform.machine(), "processor": platform.processor(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "transformers": transformers.__version__},
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "loadavg_start": [round(x, 2) for x in os.getloadavg()]},
            "models": {k: bench(k, a.dtypes.split(","), a.repeats) for k in a.models.split(",")}}
+    doc["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(doc, indent=1))
 
 

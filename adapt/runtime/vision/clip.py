@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from adapt.errors import ConfigError
-from adapt.runtime.models.layers import Linear
+from adapt.runtime.models.layers import ColumnParallelLinear, Linear
 from adapt.runtime.vision.common import LayerNorm, Weight, activation, tower_attention
 from adapt.spec import VisionSpec
 
@@ -32,8 +32,10 @@ class ClipLayer(nn.Module):
         self.ln1 = LayerNorm(f"{p}.layer_norm1", hv, v.norm_eps)
         self.ln2 = LayerNorm(f"{p}.layer_norm2", hv, v.norm_eps)
         a = f"{p}.self_attn"
-        self.q, self.k, self.v, self.o = (Linear(f"{a}.{n}.weight", hv, hv, f"{a}.{n}.bias")
-                                          for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
+        # q | k | v as one GEMM over the normed input (one pass over it, one wider N), replicated (ctx unused)
+        self.qkv = ColumnParallelLinear([(f"{a}.{n}.weight", f"{a}.{n}.bias", hv)
+                                         for n in ("q_proj", "k_proj", "v_proj")], hv, None)
+        self.o = Linear(f"{a}.out_proj.weight", hv, hv, f"{a}.out_proj.bias")
         self.fc1 = Linear(f"{p}.mlp.fc1.weight", hv, v.intermediate_size, f"{p}.mlp.fc1.bias")
         self.fc2 = Linear(f"{p}.mlp.fc2.weight", v.intermediate_size, hv, f"{p}.mlp.fc2.bias")
         self.act = activation(v.hidden_act)
@@ -42,7 +44,7 @@ class ClipLayer(nn.Module):
         """x [N * P, Hv], images packed; cu [N + 1] their offsets."""
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         y = self.ln1(x)
-        q, k, v = (m(y).view(t, h, d) for m in (self.q, self.k, self.v))
+        q, k, v = self.qkv(y).view(t, 3, h, d).unbind(1)  # [T, h, d] each
         o = tower_attention(kernels, q, k, v, cu, d ** -0.5)
         x = x + self.o(o.reshape(t, h * d))
         return x + self.fc2(self.act(self.fc1(self.ln2(x))))

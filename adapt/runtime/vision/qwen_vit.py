@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from adapt.runtime.models.layers import Linear, RMSNorm
+from adapt.runtime.models.layers import ColumnParallelLinear, Linear, RMSNorm
 from adapt.runtime.vision.common import Weight, activation, tower_attention
 from adapt.spec import VisionSpec
 
@@ -46,9 +46,12 @@ class VisionBlock(nn.Module):
         self.qkv = Linear(f"{p}.attn.qkv.weight", hv, 3 * hv, f"{p}.attn.qkv.bias")
         self.proj = Linear(f"{p}.attn.proj.weight", hv, hv, f"{p}.attn.proj.bias")
         m, i = f"{p}.mlp", v.intermediate_size
-        self.gate = Linear(f"{m}.gate_proj.weight", hv, i, f"{m}.gate_proj.bias")
-        self.up = Linear(f"{m}.up_proj.weight", hv, i, f"{m}.up_proj.bias")
+        # gate | up as one GEMM over the normed input, replicated (ctx unused); SiLU's gate then takes the
+        # fused silu_and_mul kernel (rounding as silu(gate) * up does)
+        self.gate_up = ColumnParallelLinear([(f"{m}.{n}.weight", f"{m}.{n}.bias", i)
+                                             for n in ("gate_proj", "up_proj")], hv, None)
         self.down = Linear(f"{m}.down_proj.weight", i, hv, f"{m}.down_proj.bias")
+        self.act_name = v.hidden_act
         self.act = activation(v.hidden_act)
 
     def forward(self, x, cu, cos, sin, kernels):
@@ -61,7 +64,11 @@ class VisionBlock(nn.Module):
         o = tower_attention(kernels, q, k, v, cu, d ** -0.5)
         x = x + self.proj(o.reshape(t, h * d))
         y = kernels.rms_norm(x, self.norm2.weight, self.norm2.eps)
-        return x + self.down(self.act(self.gate(y)) * self.up(y))
+        gu = self.gate_up(y)  # [N, 2I]
+        if self.act_name == "silu":
+            return x + self.down(kernels.silu_and_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)
+        return x + self.down(self.act(gate) * up)
 
 
 class QwenVisionTower(nn.Module):
