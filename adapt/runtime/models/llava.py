@@ -21,7 +21,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def encode_images(self, images: list, kernels, capture: dict | None = None) -> torch.Tensor:
         """Preprocessed images (vision/processor.ImageInput) -> features [sum of their tokens, H]."""
-        pixels = torch.stack([im.pixel_values for im in images]).to(self.projector.linear_1.weight.device)
+        pixels = torch.stack([im.pixel_values for im in images]).to(self.vision_tower.patch.weight.device)
         feats = self.vision_tower(pixels, kernels, capture)  # [N, P, Hv]
         if capture is not None:
             capture["vision.features"] = feats.detach().clone()
