@@ -10,6 +10,7 @@ import sys
 import time
 
 from adapt.shard import load_manifest, shard, verify
+from adapt.shard.fanout import COMMITTERS
 from adapt.shard.header import read_header
 from adapt.shard.hashing import sha256_file
 from adapt.shard.writer import TMP_MARK
@@ -51,7 +52,11 @@ def test_sigkill_then_rerun(tiny_ckpts, tmp_path):
                            timeout=120)
     assert rerun.returncode == 0, rerun.stderr
     summary = json.loads(rerun.stdout)
-    assert summary["files_kept"] >= len(at_kill) - 1 and summary["files_written"] >= 1
+    # a resume keeps what the journal vouches for. A file is renamed to its final name before its journal entry
+    # is written, and up to COMMITTERS commits run at once (each entry's fsync serializes them on the journal), so
+    # under load several complete files can lack an entry at kill time and are rewritten (16 complete, 14 kept,
+    # in one CI run on a loaded 2-core host); each of those is rewritten identically (checked below)
+    assert summary["files_kept"] >= len(at_kill) - COMMITTERS and summary["files_written"] >= 1
     rep = verify(out, source=ckpt)
     assert rep.ok, [p.line() for p in rep.problems]
     final = {f.path: f.sha256 for f in load_manifest(out).files}
