@@ -213,18 +213,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
   const float* S = scale.data_ptr<float>();
   const int64_t ldq = q.size(1);
   const int64_t blocks = (N + QNB - 1) / QNB;
-#ifdef ADAPT_QDP
-  if (x.scalar_type() == at::kBFloat16 && M <= QMR && qdp_takes(kind, K, BK)) {  // decode: quant_dot_bf16.h
-    std::vector<bf16> xpv;
-    torch::Tensor x32;
-    if (kind == 2) {
-      xpv.resize(M * K);
-      const auto xc = x.contiguous();
-      for (int64_t r = 0; r < M; ++r) qdp_permute_x(xc.data_ptr<bf16>() + r * K, K, xpv.data() + r * K);
-    } else {
-      x32 = x.to(at::kFloat).contiguous();
-    }
-    bf16* Y = y.data_ptr<bf16>();
+#if defined(ADAPT_QDP) || defined(ADAPT_VW)
+  // decode (M <= QMR rows): W's blocks of QNB rows over the threads; dot(q, s, z, nr, pf, sums) sums one block for
+  // every row of x, then the bias is added and each output rounded once
+  auto decode_blocks = [&](auto* Y, auto&& dot) {
+    using T = std::remove_pointer_t<decltype(Y)>;
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * QNB;
@@ -241,14 +234,30 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
         // the next blocks' bytes are fetched while this one is summed (a thread's blocks are contiguous rows)
         const int64_t pf = (b + QPF < b1 ? QPF : 0) * QNB * ldq;
         float sums[QMR][QNB];
-        with_rows<QMR>(M, [&](auto rows) {
-          constexpr int MR = decltype(rows)::value;
-          if (kind == 2) qdp_int4<MR, QNB, QMR>(xpv.data(), K, qr, sr, zr, BK, sums, pf);
-          else qdp_int8<MR, QNB, QMR>(x32.data_ptr<float>(), K, qr, sr, sums, pf);
-        });
+        dot(qr, sr, zr, nr, pf, sums);
         for (int64_t r = 0; r < M; ++r)
-          for (int64_t j = 0; j < nr; ++j) Y[r * N + n0 + j] = from_f32<bf16>(sums[r][j] + (bp ? bp[n0 + j] : 0.f));
+          for (int64_t j = 0; j < nr; ++j) Y[r * N + n0 + j] = from_f32<T>(sums[r][j] + (bp ? bp[n0 + j] : 0.f));
       }
+    });
+  };
+#endif
+#ifdef ADAPT_QDP
+  if (x.scalar_type() == at::kBFloat16 && M <= QMR && qdp_takes(kind, K, BK)) {  // decode: quant_dot_bf16.h
+    std::vector<bf16> xpv;
+    torch::Tensor x32;
+    if (kind == 2) {
+      xpv.resize(M * K);
+      const auto xc = x.contiguous();
+      for (int64_t r = 0; r < M; ++r) qdp_permute_x(xc.data_ptr<bf16>() + r * K, K, xpv.data() + r * K);
+    } else {
+      x32 = x.to(at::kFloat).contiguous();
+    }
+    decode_blocks(y.data_ptr<bf16>(), [&](auto& qr, auto& sr, auto& zr, int, int64_t pf, auto& sums) {
+      with_rows<QMR>(M, [&](auto rows) {
+        constexpr int MR = decltype(rows)::value;
+        if (kind == 2) qdp_int4<MR, QNB, QMR>(xpv.data(), K, qr, sr, zr, BK, sums, pf);
+        else qdp_int8<MR, QNB, QMR>(x32.data_ptr<float>(), K, qr, sr, sums, pf);
+      });
     });
     return y;
   }
@@ -262,32 +271,13 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
     T* Y = y.data_ptr<T>();
 #ifdef ADAPT_VW
     if (M <= QMR && (BK % VW == 0 || BK >= K)) {  // decode: W's packed bytes read once, dequantized in registers
-      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t n0 = b * QNB;
-          const int nr = static_cast<int>(std::min<int64_t>(QNB, N - n0));
-          const uint8_t* qr[QNB];
-          const float* sr[QNB];
-          const int8_t* zr[QNB];
-          for (int j = 0; j < QNB; ++j) {
-            const int64_t n = n0 + std::min(j, nr - 1);  // rows past N repeat the last one, never stored
-            qr[j] = Q + n * ldq;
-            sr[j] = S + (n / RB) * G;
-            zr[j] = zp ? zp + n * G : nullptr;
-          }
-          const int64_t pf = (b + QPF < b1 ? QPF : 0) * QNB * ldq;
-          float sums[QMR][QNB];
-          with_rows<QMR>(M, [&](auto rows) {
-            constexpr int MR = decltype(rows)::value;
-            if (kind == 0) qdot_packed<MR, 0>(X, K, qr, sr, zr, nr, K, BK, sums, pf);
-            else if (kind == 1) qdot_packed<MR, 1>(X, K, qr, sr, zr, nr, K, BK, sums, pf);
-            else qdot_packed<MR, 2>(X, K, qr, sr, zr, nr, K, BK, sums, pf);
-          });
-          for (int64_t r = 0; r < M; ++r) {
-            T* yr = Y + r * N;
-            for (int64_t j = 0; j < nr; ++j) yr[n0 + j] = from_f32<T>(sums[r][j] + (bp ? bp[n0 + j] : 0.f));
-          }
-        }
+      decode_blocks(Y, [&](auto& qr, auto& sr, auto& zr, int nr, int64_t pf, auto& sums) {
+        with_rows<QMR>(M, [&](auto rows) {
+          constexpr int MR = decltype(rows)::value;
+          if (kind == 0) qdot_packed<MR, 0>(X, K, qr, sr, zr, nr, K, BK, sums, pf);
+          else if (kind == 1) qdot_packed<MR, 1>(X, K, qr, sr, zr, nr, K, BK, sums, pf);
+          else qdot_packed<MR, 2>(X, K, qr, sr, zr, nr, K, BK, sums, pf);
+        });
       });
       return;
     }
