@@ -73,7 +73,15 @@ class SafetensorsReader:
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Replace the meta parameters by empty ones on ``device`` (float32 where a layer asks: routers)."""
+    """Replace the meta parameters by empty ones on ``device`` (float32 where a layer asks: routers); then a
+    module with a ``materialized(empty)`` method is handed the allocator (``empty(shape, dtype)``), before any
+    weight loads (runtime/quant/experts.py stacks its experts' tensors there)."""
+
+    def empty(shape, dt):
+        # on the CPU in transparent huge pages where large (host_memory.empty_huge: fewer TLB misses as a
+        # decode step streams them)
+        return empty_huge(shape, dt) if device.type == "cpu" else torch.empty(shape, dtype=dt, device=device)
+
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is None:
@@ -83,9 +91,7 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
             dt = p.dtype if held else torch.float32 if keep else dtype
             transposed = getattr(p, "store_transposed", False)  # [..., M, N] held as a view of [..., N, M]
             shape = (*p.shape[:-2], p.shape[-1], p.shape[-2]) if transposed else tuple(p.shape)
-            # on the CPU in transparent huge pages where large (host_memory.empty_huge: fewer TLB misses as a
-            # decode step streams them)
-            data = empty_huge(shape, dt) if device.type == "cpu" else torch.empty(shape, dtype=dt, device=device)
+            data = empty(shape, dt)
             if transposed:
                 data = data.transpose(-1, -2)
             new = nn.Parameter(data, requires_grad=False)
@@ -93,6 +99,10 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
             new.keep_fp32 = keep
             new.keep_dtype = held
             module._parameters[name] = new
+    for module in list(model.modules()):
+        hook = getattr(module, "materialized", None)
+        if callable(hook):
+            hook(empty)
 
 
 def load_weights(model: nn.Module, spec: ModelSpec, layout: WeightLayout, ctx: ParallelContext,

@@ -170,6 +170,8 @@ def pack_experts(block: MoE, dtypes: tuple[torch.dtype, ...], tiled: bool = Fals
     oneDNN: its padded batched GEMMs, which that form cannot run, won on AMX from ~64 rows per expert (the
     tiled kernel beats both there)."""
     w = block.w_gate_up
+    if tiled and block.quantized_experts is not None and block.gate.weight.device.type == "cpu":
+        return prepare_router(block)  # experts held quantized (runtime/quant/experts.py): the router still packs
     if block.prepared_experts is not None or w is None or w.device.type != "cpu":
         return 0
     n = prepare_router(block) if tiled else 0

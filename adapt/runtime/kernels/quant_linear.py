@@ -47,8 +47,7 @@ def quant_linear(x: torch.Tensor, kind: str, q: torch.Tensor, scale: torch.Tenso
     if (ext is not None and hasattr(ext, "quant_linear") and x.device.type == "cpu" and x.dtype in _X_DTYPES
             and not (torch.is_grad_enabled() and x.requires_grad)):
         rows = x.reshape(-1, x.shape[-1])
-        qb = q.view(torch.uint8) if q.dtype != torch.uint8 else q
-        y = ext.quant_linear(rows, qb, scale, zero, KINDS[kind], rb, bk, bias)
+        y = ext.quant_linear(rows, _bytes(q), scale, zero, KINDS[kind], rb, bk, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
     return quant_linear_ref(x, kind, q, scale, zero, rb, bk, k, bias)
 
@@ -57,3 +56,32 @@ def quant_linear_ref(x: torch.Tensor, kind: str, q: torch.Tensor, scale: torch.T
                      rb: int, bk: int, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The twin: dequantize W to x's dtype, then F.linear."""
     return F.linear(x, dequantize(kind, q, scale, zero, rb, bk, k, x.dtype), bias)
+
+
+# (q, scale, zero or None, rb, bk) of one projection of every expert, stacked: q [E, N, *], scale [E, *, *]
+Stacked = tuple
+
+
+def quant_moe_takes(kind: str, h: int, inter: int, bk_gate_up: int, bk_down: int, dtype: torch.dtype) -> bool:
+    """Whether the fused CPU kernel runs quant_moe for experts gate|up [2I, H] (groups of bk_gate_up) and down
+    [H, I] (groups of bk_down) on activations of ``dtype`` here (float32 or bfloat16)."""
+    ext = fused.module()
+    return (ext is not None and hasattr(ext, "quant_moe") and dtype in (torch.float32, torch.bfloat16)
+            and ext.quant_moe_takes(KINDS[kind], h, inter, bk_gate_up, bk_down, dtype == torch.bfloat16))
+
+
+def quant_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, kind: str, gate_up: Stacked,
+              down: Stacked, expert_offset: int = 0) -> torch.Tensor:
+    """The routed experts of x [T, H] (weights, global ids [T, K]) held quantized, in one call of the fused CPU
+    kernel (csrc/quant_moe.h; where quant_moe_takes): out [T, H] (x.dtype) as the per-expert form computes it
+    (runtime/quant/experts.py: a quant_linear for gate|up, silu_and_mul and a quant_linear for down per expert,
+    the weighted combine in float32)."""
+    (q1, s1, z1, rb1, bk1), (q2, s2, z2, rb2, bk2) = gate_up, down
+    ids = ids if ids.dtype == torch.long else ids.long()
+    weights = weights if weights.dtype == torch.float32 else weights.float()
+    return fused.module().quant_moe(x.contiguous(), ids.contiguous(), weights.contiguous(), _bytes(q1), s1, z1,
+                                    _bytes(q2), s2, z2, KINDS[kind], rb1, bk1, rb2, bk2, expert_offset)
+
+
+def _bytes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8) if q.dtype != torch.uint8 else q

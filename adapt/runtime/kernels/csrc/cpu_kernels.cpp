@@ -18,6 +18,7 @@
 #include "moe.h"
 #include "moe_gemm.h"
 #include "quant_gemm.h"
+#include "quant_moe.h"
 
 using namespace adapt_cpu;
 
@@ -44,6 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_tiled_dtypes", &moe_tiled_dtypes);
   m.def("moe_tiled_bf16_gemm", &moe_tiled_bf16_gemm);
   m.def("quant_linear", &quant_linear);
+  m.def("quant_moe", &quant_moe);
+  m.def("quant_moe_takes", &quant_moe_takes);
 #ifdef ADAPT_QDP
   m.attr("QUANT_BF16_DOT") = true;  // bf16 decode of int8 / int4 weights by vdpbf16ps (quant_dot_bf16.h)
 #else

@@ -9,6 +9,32 @@
 
 namespace adapt_cpu {
 
+// The slots s = t * K + k of ids [S] grouped by local expert (global id - offset in 0 .. E - 1), in slot order
+// within one (a counting sort): rows start[e] .. start[e + 1] - 1 are expert e's, slot[r] is row r's slot, and
+// pos[s] is slot s's row (-1: an expert another rank holds).
+struct SlotGroups {
+  std::vector<int64_t> start, slot, pos;
+};
+
+inline SlotGroups group_slots(const int64_t* ip, int64_t S, int64_t E, int64_t offset) {
+  SlotGroups g{std::vector<int64_t>(E + 1, 0), {}, std::vector<int64_t>(S, -1)};
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t e = ip[s] - offset;
+    if (e >= 0 && e < E) ++g.start[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) g.start[e + 1] += g.start[e];
+  g.slot.resize(g.start[E]);
+  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t e = ip[s] - offset;
+    if (e >= 0 && e < E) {
+      g.pos[s] = fill[e];
+      g.slot[fill[e]++] = s;
+    }
+  }
+  return g;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // MoE: the padded layout of the routed tokens and the weighted combine.
 // Slots s = t * K + k sorted by expert (``order`` [S], ``counts`` [E] per expert, every slot served);

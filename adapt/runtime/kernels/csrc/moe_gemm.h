@@ -711,23 +711,10 @@ torch::Tensor moe_experts_tiled(torch::Tensor x, torch::Tensor ids, torch::Tenso
   const int64_t I = N1 / 2;
   TORCH_CHECK(K1 == H && N2 == H && K2 == I && N1 % cols == 0 && N2 % cols == 0,
               "moe_experts_tiled: weights [E, 2I, H] and [E, H, I] for x [T, H], 2I and H multiples of ", cols);
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  // slots grouped by expert, in slot order within one (a counting sort); pos[s]: row of slot s in ys, or -1
-  std::vector<int64_t> start(E + 1, 0), pos(S, -1);
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t e = ip[s] - expert_offset;
-    if (e >= 0 && e < E) ++start[e + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  // slots grouped by expert (moe.h); pos[s]: row of slot s in ys, or -1
+  const SlotGroups groups = group_slots(ids.data_ptr<int64_t>(), S, E, expert_offset);
+  const std::vector<int64_t>&start = groups.start, &slot = groups.slot, &pos = groups.pos;
   const int64_t R = start[E];
-  std::vector<int64_t> slot(R), fill(start.begin(), start.end() - 1);
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t e = ip[s] - expert_offset;
-    if (e >= 0 && e < E) {
-      pos[s] = fill[e];
-      slot[fill[e]++] = s;
-    }
-  }
   // tasks: row chunks of one expert, at most MC rows, so that the buffers stay near L2 and two threads share
   // a busy expert. A chunk streams its expert's weights once, so MC is at least 64 rows (DeepSeek-V3's
   // experts: 64 rows, 4 MB of buffers per thread); an expert's rows split evenly between its chunks.

@@ -184,6 +184,125 @@ inline void qdot_packed(const float* x, int64_t ldx, const uint8_t* const (&q)[Q
 }
 #endif
 
+#ifdef ADAPT_VW
+// One quantized matrix of every expert (E = 1 for a linear): q [E, N, ldq] bytes, s [E, ceil(N / RB), G] float32,
+// z [E, N, G] int8 or null
+struct QMat {
+  const uint8_t* q;
+  const float* s;
+  const int8_t* z;
+  int64_t N, ldq, RB, G;
+};
+
+// m <= QMR rows of the decode's input from row r0, against expert e's matrix
+struct QRows {
+  int64_t e, r0, m;
+};
+
+// Decode: every chunk's rows against its matrix's blocks of QNB rows, the (chunk, block) pairs over the threads
+// in one pass; dot(c, q, s, z, nr, pf, sums) sums one block for the chunk's rows, then the bias is added and each
+// output rounded once into Y [rows, N]
+template <typename T, typename Dot>
+inline void decode_blocks(const QMat& w, const std::vector<QRows>& chunks, T* Y, const float* bp, Dot&& dot) {
+  const int64_t N = w.N, blocks = (N + QNB - 1) / QNB, srows = (N + w.RB - 1) / w.RB;
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()) * blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const QRows& c = chunks[i / blocks];
+      const int64_t b = i % blocks, n0 = b * QNB;
+      const int nr = static_cast<int>(std::min<int64_t>(QNB, N - n0));
+      const uint8_t* qe = w.q + c.e * N * w.ldq;
+      const float* se = w.s + c.e * srows * w.G;
+      const int8_t* ze = w.z ? w.z + c.e * N * w.G : nullptr;
+      const uint8_t* qr[QNB];
+      const float* sr[QNB];
+      const int8_t* zr[QNB];
+      for (int j = 0; j < QNB; ++j) {
+        const int64_t n = n0 + std::min(j, nr - 1);  // rows past N repeat the last one, never stored
+        qr[j] = qe + n * w.ldq;
+        sr[j] = se + (n / w.RB) * w.G;
+        zr[j] = ze ? ze + n * w.G : nullptr;
+      }
+      // the next blocks' bytes are fetched while this one is summed (a thread's blocks of one matrix are
+      // contiguous rows)
+      const int64_t pf = (b + QPF < blocks && i + QPF < i1 ? QPF : 0) * QNB * w.ldq;
+      float sums[QMR][QNB];
+      dot(c, qr, sr, zr, nr, pf, sums);
+      for (int64_t r = 0; r < c.m; ++r)
+        for (int64_t j = 0; j < nr; ++j) Y[(c.r0 + r) * N + n0 + j] = from_f32<T>(sums[r][j] + (bp ? bp[n0 + j] : 0.f));
+    }
+  });
+}
+#endif
+
+// How the decode (at most QMR rows a matrix) reads x for a weight [N, K] of ``kind``: 1 the bf16 dot of int4 (x
+// permuted, quant_dot_bf16.h), 2 its int8 dot (x in float32), 3 the float32 dot (x in float32, W dequantized in
+// registers), 0 none (the buffered path)
+inline int decode_path(int64_t kind, int64_t K, int64_t BK, bool bf16_x) {
+#ifdef ADAPT_QDP
+  if (bf16_x && qdp_takes(kind, K, BK)) return kind == 2 ? 1 : 2;
+#endif
+#ifdef ADAPT_VW
+  if (BK % VW == 0 || BK >= K) return 3;
+#endif
+  (void)kind, (void)K, (void)BK, (void)bf16_x;
+  return 0;
+}
+
+#ifdef ADAPT_VW
+// the decode's input rows [R, K] as decode_path's dot reads them: permuted bf16 (path 1) or float32
+struct DecodeRows {
+  int path;
+  int64_t K;
+  std::vector<bf16> xp;
+  std::vector<float> xf;
+  const float* f = nullptr;  // float32 rows: xf, or x itself
+};
+
+template <typename X>
+inline void decode_rows(const X* x, int64_t R, int64_t K, int path, DecodeRows& d) {
+  d.path = path, d.K = K;
+  if (path == 1) {
+#ifdef ADAPT_QDP
+    if constexpr (std::is_same_v<X, bf16>) {
+      d.xp.resize(R * K);
+      for (int64_t r = 0; r < R; ++r) qdp_permute_x(x + r * K, K, d.xp.data() + r * K);
+    }
+#endif
+  } else if constexpr (std::is_same_v<X, float>) {
+    d.f = x;
+  } else {
+    d.xf.resize(R * K);
+    for (int64_t r = 0; r < R; ++r) row_f32(x + r * K, d.xf.data() + r * K, K, 1.f);  // exact
+    d.f = d.xf.data();
+  }
+}
+
+// sums [MR][QNB] of rows r0 .. r0 + MR - 1 of d against one block of W (q, s, z as qdot_packed)
+template <int MR>
+inline void decode_dot(const DecodeRows& d, int64_t kind, int64_t r0, const uint8_t* const (&q)[QNB],
+                       const float* const (&s)[QNB], const int8_t* const (&z)[QNB], int nr, int64_t BK,
+                       float (&sums)[QMR][QNB], int64_t pf) {
+  const int64_t K = d.K;
+#ifdef ADAPT_QDP
+  if (d.path == 1) return qdp_int4<MR, QNB, QMR>(d.xp.data() + r0 * K, K, q, s, z, BK, sums, pf);
+  if (d.path == 2) return qdp_int8<MR, QNB, QMR>(d.f + r0 * K, K, q, s, sums, pf);
+#endif
+  const float* x = d.f + r0 * K;
+  if (kind == 0) qdot_packed<MR, 0>(x, K, q, s, z, nr, K, BK, sums, pf);
+  else if (kind == 1) qdot_packed<MR, 1>(x, K, q, s, z, nr, K, BK, sums, pf);
+  else qdot_packed<MR, 2>(x, K, q, s, z, nr, K, BK, sums, pf);
+}
+
+// Y [rows, N] (+ bias) = d's rows against W, chunk by chunk (decode_blocks)
+template <typename T>
+inline void decode_project(const QMat& w, const std::vector<QRows>& chunks, const DecodeRows& d, int64_t kind,
+                           int64_t BK, T* Y, const float* bp) {
+  decode_blocks(w, chunks, Y, bp, [&](const QRows& c, auto& qr, auto& sr, auto& zr, int nr, int64_t pf, auto& sums) {
+    with_rows<QMR>(c.m, [&](auto rows) { decode_dot<decltype(rows)::value>(d, kind, c.r0, qr, sr, zr, nr, BK, sums, pf); });
+  });
+}
+#endif
+
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> zero,
                            int64_t kind, int64_t RB, int64_t BK, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scale.dim() == 2 && kind >= 0 && kind <= 2 && RB > 0 && BK > 0,
@@ -213,51 +332,16 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
   const float* S = scale.data_ptr<float>();
   const int64_t ldq = q.size(1);
   const int64_t blocks = (N + QNB - 1) / QNB;
-#if defined(ADAPT_QDP) || defined(ADAPT_VW)
-  // decode (M <= QMR rows): W's blocks of QNB rows over the threads; dot(q, s, z, nr, pf, sums) sums one block for
-  // every row of x, then the bias is added and each output rounded once
-  auto decode_blocks = [&](auto* Y, auto&& dot) {
-    using T = std::remove_pointer_t<decltype(Y)>;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n0 = b * QNB;
-        const int nr = static_cast<int>(std::min<int64_t>(QNB, N - n0));
-        const uint8_t* qr[QNB];
-        const float* sr[QNB];
-        const int8_t* zr[QNB];
-        for (int j = 0; j < QNB; ++j) {
-          const int64_t n = n0 + std::min(j, nr - 1);  // rows past N repeat the last one, never stored
-          qr[j] = Q + n * ldq;
-          sr[j] = S + (n / RB) * G;
-          zr[j] = zp ? zp + n * G : nullptr;
-        }
-        // the next blocks' bytes are fetched while this one is summed (a thread's blocks are contiguous rows)
-        const int64_t pf = (b + QPF < b1 ? QPF : 0) * QNB * ldq;
-        float sums[QMR][QNB];
-        dot(qr, sr, zr, nr, pf, sums);
-        for (int64_t r = 0; r < M; ++r)
-          for (int64_t j = 0; j < nr; ++j) Y[r * N + n0 + j] = from_f32<T>(sums[r][j] + (bp ? bp[n0 + j] : 0.f));
-      }
-    });
-  };
-#endif
-#ifdef ADAPT_QDP
-  if (x.scalar_type() == at::kBFloat16 && M <= QMR && qdp_takes(kind, K, BK)) {  // decode: quant_dot_bf16.h
-    std::vector<bf16> xpv;
-    torch::Tensor x32;
-    if (kind == 2) {
-      xpv.resize(M * K);
-      const auto xc = x.contiguous();
-      for (int64_t r = 0; r < M; ++r) qdp_permute_x(xc.data_ptr<bf16>() + r * K, K, xpv.data() + r * K);
-    } else {
-      x32 = x.to(at::kFloat).contiguous();
-    }
-    decode_blocks(y.data_ptr<bf16>(), [&](auto& qr, auto& sr, auto& zr, int, int64_t pf, auto& sums) {
-      with_rows<QMR>(M, [&](auto rows) {
-        constexpr int MR = decltype(rows)::value;
-        if (kind == 2) qdp_int4<MR, QNB, QMR>(xpv.data(), K, qr, sr, zr, BK, sums, pf);
-        else qdp_int8<MR, QNB, QMR>(x32.data_ptr<float>(), K, qr, sr, sums, pf);
-      });
+#ifdef ADAPT_VW
+  const int path = M <= QMR ? decode_path(kind, K, BK, x.scalar_type() == at::kBFloat16) : 0;
+  if (path) {  // decode: W's packed bytes read once, dequantized in registers (or looked up: quant_dot_bf16.h)
+    const auto xc = x.contiguous();
+    const QMat wm{Q, S, zp, N, ldq, RB, G};
+    float_bf16_or_half(x, "quant_linear", [&](auto tag) {
+      using T = decltype(tag);
+      DecodeRows d;
+      decode_rows(xc.data_ptr<T>(), M, K, path, d);
+      decode_project(wm, {QRows{0, 0, M}}, d, kind, BK, y.data_ptr<T>(), bp);
     });
     return y;
   }
@@ -269,19 +353,6 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
   float_bf16_or_half(x, "quant_linear", [&](auto tag) {
     using T = decltype(tag);
     T* Y = y.data_ptr<T>();
-#ifdef ADAPT_VW
-    if (M <= QMR && (BK % VW == 0 || BK >= K)) {  // decode: W's packed bytes read once, dequantized in registers
-      decode_blocks(Y, [&](auto& qr, auto& sr, auto& zr, int nr, int64_t pf, auto& sums) {
-        with_rows<QMR>(M, [&](auto rows) {
-          constexpr int MR = decltype(rows)::value;
-          if (kind == 0) qdot_packed<MR, 0>(X, K, qr, sr, zr, nr, K, BK, sums, pf);
-          else if (kind == 1) qdot_packed<MR, 1>(X, K, qr, sr, zr, nr, K, BK, sums, pf);
-          else qdot_packed<MR, 2>(X, K, qr, sr, zr, nr, K, BK, sums, pf);
-        });
-      });
-      return;
-    }
-#endif
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       std::vector<float> wbuf(QNB * K);
       float* w = wbuf.data();
