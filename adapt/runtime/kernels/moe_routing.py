@@ -71,11 +71,9 @@ def router_panel(num_experts: int, dtype: torch.dtype) -> int:
 
 def router_vnni(hidden: int, dtype: torch.dtype) -> bool:
     """Whether a router of ``dtype`` runs ``router_softmax_topk`` here on the vnni layout and the AVX512-BF16
-    GEMM: bfloat16, H a multiple of 32, on a CPU with AVX512-BF16 and no AMX (AMX hosts keep oneDNN's AMX
-    linear for the logits, then the routing kernel)."""
+    GEMM: bfloat16, H a multiple of 32, on a CPU with AVX512-BF16 (AMX hosts too)."""
     ext = fused.installed()
-    return (dtype == torch.bfloat16 and ext is not None and hidden % 32 == 0
-            and ext.moe_tiled_bf16_gemm() == "avx512_bf16")
+    return dtype == torch.bfloat16 and ext is not None and hidden % 32 == 0 and bool(getattr(ext, "ROUTER_VNNI", 0))
 
 
 def pack_router(weight: torch.Tensor, panel: int | None = None) -> torch.Tensor | None:

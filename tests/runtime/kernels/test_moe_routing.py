@@ -304,8 +304,10 @@ def test_pack_router_takes_the_hosts_form():
                 assert got.shape == (1, h, router_panel(8, dtype))
             else:
                 assert got is None
-    # bfloat16 takes the vnni form exactly where the tiled MoE kernel runs AVX512-BF16 without AMX
-    assert router_vnni(64, torch.bfloat16) == (ext.moe_tiled_bf16_gemm() == "avx512_bf16")
+    # bfloat16 takes the vnni form wherever the tiled MoE kernel runs a bf16 dot product (AVX512-BF16, with or
+    # without AMX: the module's dp_gemm), never on the FMA panels
+    assert router_vnni(64, torch.bfloat16) == (ext.moe_tiled_bf16_gemm() in ("avx512_bf16", "amx")
+                                               and bool(ext.ROUTER_VNNI))
     assert not router_vnni(48, torch.bfloat16) and not router_vnni(64, torch.float32)
 
 

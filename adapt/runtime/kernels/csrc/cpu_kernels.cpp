@@ -58,6 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   std::vector<int64_t> router;  // the router panels router_softmax_topk takes: FMA_NR, then narrower
   for (int64_t nv = FMA_NV; nv >= 1; nv /= 2) router.push_back(nv * VW);
   m.attr("ROUTER_PANELS") = router;
+  m.attr("ROUTER_VNNI") = router_vnni_runs();  // the bfloat16 router vnni-packed on AVX512-BF16's dp_gemm
 #else
   m.attr("PANEL") = 0;
   m.attr("ROUTER_PANELS") = std::vector<int64_t>{};

@@ -399,6 +399,15 @@ inline void bf16_gemm(int kind, const bf16* A, int64_t M, int64_t K, const bf16*
   TORCH_CHECK(false, "moe_experts_tiled: no bfloat16 GEMM in this build");
 }
 
+// whether router_softmax_topk takes the vnni-packed bfloat16 router (dp_gemm compiled in: AVX512-BF16)
+inline bool router_vnni_runs() {
+#ifdef ADAPT_DPBF16
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Which dtypes moe_experts_tiled runs on this build and host: float32 with a vector layer; bfloat16 with AMX
 // (compiled in and granted by the kernel) or AVX512-BF16 on vnni-packed weights, else with a vector layer on
 // panel-packed weights, widened to float32 as they are read ("fma": AMD Zen 3, AVX2-only CPUs); float16
@@ -516,7 +525,8 @@ inline void with_nv(int64_t nv, F&& f) {
 //  - in column panels [ceil(E / RP), H, RP] of x's dtype (RP = VW * nv, nv = FMA_NV or fewer, so that few
 //    experts pad little) for the FMA GEMM (sums in k order); or
 //  - bfloat16 vnni-packed [EP / 16, H / 32, 16, 32] (EP = E rounded up to 32; H % 32 == 0) for the AVX512-BF16
-//    GEMM (dp_gemm; pairs of k per step), where the CPU has it and no AMX.
+//    GEMM (dp_gemm; pairs of k per step), where the CPU has it (AMX hosts too: the logits of a decode step are
+//    a few rows, for which oneDNN's AMX linear took 53-115 us a layer against ~5 here).
 // In place of F.linear, softmax, topk and a division: right after the experts' kernel has swept the caches,
 // the float32 bench router at 512 tokens (H 512, 32 experts, top-4) took 0.44-0.54 ms through those four
 // dispatches (0.25 ms with hot caches), and 0.20-0.27 ms here.
@@ -532,10 +542,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> router_so
   const int64_t T = x.size(0), H = x.size(1);
   int64_t EP, RP = 0;  // the weight's columns (E padded); RP: a panel's
   if (vnni) {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && bf16_gemm_kind() == 1 && wr.size(1) * 32 == H &&
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && router_vnni_runs() && wr.size(1) * 32 == H &&
                     wr.size(2) == 16 && wr.size(3) == 32 && wr.size(0) % 2 == 0 && wr.size(0) * 16 >= E,
                 "router_softmax_topk: vnni-packed panels [EP / 16, H / 32, 16, 32] of bfloat16, EP a multiple of 32 "
-                "and H of 32, on a CPU with AVX512-BF16 and no AMX");
+                "and H of 32, on a CPU with AVX512-BF16");
     EP = wr.size(0) * 16;
   } else {
     TORCH_CHECK(wr.size(1) == H && wr.size(2) % VW == 0 && wr.size(0) * wr.size(2) >= E,
