@@ -98,7 +98,8 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK_DTY
     n = 0
     for m in list(model.modules()):
         if isinstance(m, MoE):  # stacked MoE experts: decided per dtype
-            n += pack_experts(m, onednn, tiled)
+            # the router packs whatever form the experts take (stacked, packed, held quantized)
+            n += (prepare_router(m) if tiled else 0) + pack_experts(m, onednn, tiled)
             continue
         tied = getattr(m, "tied", None)  # a head tied to the embedding: the embedding's weight, read by both
         owner = m if tied is None else tied
@@ -170,32 +171,28 @@ def pack_experts(block: MoE, dtypes: tuple[torch.dtype, ...], tiled: bool = Fals
     oneDNN: its padded batched GEMMs, which that form cannot run, won on AMX from ~64 rows per expert (the
     tiled kernel beats both there)."""
     w = block.w_gate_up
-    if tiled and block.quantized_experts is not None and block.gate.weight.device.type == "cpu":
-        return prepare_router(block)  # experts held quantized (runtime/quant/experts.py): the router still packs
-    if block.prepared_experts is not None or w is None or w.device.type != "cpu":
+    if (block.prepared_experts is not None or w is None or w.device.type != "cpu"
+            or os.environ.get(STRATEGY_ENV, "auto") != "auto"):  # a pinned path runs on the stacked experts
         return 0
-    n = prepare_router(block) if tiled else 0
-    if os.environ.get(STRATEGY_ENV, "auto") != "auto":  # a pinned path runs on the stacked experts
-        return n
     h, inter = block.hidden_size, block.num_inter
     if (tiled and tiles(2 * inter, h, w.dtype) and tiles(h, inter, w.dtype)
             and packing_wins(block, w.dtype, "tiled")):
         block.prepared_experts = TiledExperts(block.w_gate_up, block.w_down, block.expert_offset)
         block.w_gate_up = block.w_down = None
-        return n + 2
+        return 2
     if (w.dtype != torch.float32 or w.dtype not in dtypes or not onednn_packs(w.dtype)
             or not packing_wins(block, w.dtype)):
-        return n
+        return 0
     block.prepared_experts = OneDNNExperts(block.w_gate_up, block.w_down, block.expert_offset)
     block.w_gate_up = block.w_down = None
-    return n + 2 * len(block.experts)
+    return 2 * len(block.experts)
 
 
 def prepare_router(block: MoE) -> int:
     """The softmax router's weight packed for the fused router kernel (router_softmax_topk) where it runs
     here (pack_router), into ``block.prepared_router``; the plain weight stays (the twins and other devices
-    read it)."""
-    if block.deepseek or block.prepared_router is not None:
+    read it); on the CPU only."""
+    if block.deepseek or block.prepared_router is not None or block.gate.weight.device.type != "cpu":
         return 0
     block.prepared_router = pack_router(block.gate.weight)
     return int(block.prepared_router is not None)

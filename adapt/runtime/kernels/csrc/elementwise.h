@@ -83,6 +83,25 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 }
 
 // ---------------------------------------------------------------------------------------------------
+// o [I] = silu(gate) * up of one row gu [2I] = cat(gate, up): silu rounds to T, then the product does
+template <typename T>
+inline void silu_mul_row(const T* gu, int64_t I, T* o) {
+  const T* u = gu + I;
+  int64_t i = 0;
+#ifdef ADAPT_VW
+  const vf one = vset1(1.f), zero = vzero();
+  for (; i + VW <= I; i += VW) {
+    const vf a = vload(gu + i);
+    const vf s = vrnd<T>(vdiv(a, vadd(one, vexp(vsub(zero, a)))));
+    vstore(o + i, vmul(s, vload(u + i)));
+  }
+#endif
+  for (; i < I; ++i) {
+    const float a = f32(gu[i]);
+    o[i] = from_f32<T>(rnd<T>(a / (1.f + exp_f32(-a))) * f32(u[i]));
+  }
+}
+
 // silu(gate) * up of x [..., 2I] = cat(gate, up): silu rounds to T, then the product does.
 // With counts [E] and C (the padded MoE layout, rows e * C + j), only rows j < counts[e] are computed and
 // the padding rows are zeros.
@@ -105,26 +124,12 @@ torch::Tensor silu_and_mul(torch::Tensor x, c10::optional<torch::Tensor> counts,
     // exp and a division per element: worth a second thread from ~8K elements
     at::parallel_for(0, rows, std::max<int64_t>(1, (8 << 10) / std::max<int64_t>(1, I)), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const T* g = xp + r * 2 * I;
-        const T* u = g + I;
         T* o = op + r * I;
         if (cnt && r % C >= cnt[r / C]) {  // a padding row
           std::memset(static_cast<void*>(o), 0, I * sizeof(T));
           continue;
         }
-        int64_t i = 0;
-#ifdef ADAPT_VW
-        const vf one = vset1(1.f), zero = vzero();
-        for (; i + VW <= I; i += VW) {
-          const vf a = vload(g + i);
-          const vf s = vrnd<T>(vdiv(a, vadd(one, vexp(vsub(zero, a)))));
-          vstore(o + i, vmul(s, vload(u + i)));
-        }
-#endif
-        for (; i < I; ++i) {
-          const float a = f32(g[i]);
-          o[i] = from_f32<T>(rnd<T>(a / (1.f + exp_f32(-a))) * f32(u[i]));
-        }
+        silu_mul_row(xp + r * 2 * I, I, o);
       }
     });
   });

@@ -13,6 +13,7 @@
 #pragma once
 
 #include "common.h"
+#include "elementwise.h"
 #include "moe.h"
 #include "moe_gemm.h"
 #include "quant_gemm.h"
@@ -80,17 +81,7 @@ torch::Tensor quant_moe(torch::Tensor x, torch::Tensor ids, torch::Tensor w, tor
     DecodeRows d1, d2;
     decode_rows(xg.data(), R, H, p1, d1);
     decode_project(w1, chunks, d1, kind, bk1, gu.data(), nullptr);
-    for (int64_t r = 0; r < R; ++r) {  // T(silu(gate)) * up, as silu_and_mul rounds it
-      const X* gr = gu.data() + r * 2 * I;
-      const X* ur = gr + I;
-      X* o = act.data() + r * I;
-      int64_t i = 0;
-      for (; i + VW <= I; i += VW) vstore(o + i, silu_mul_v<X>(vload(gr + i), vload(ur + i)));
-      for (; i < I; ++i) {
-        const float gv = f32(gr[i]);
-        o[i] = from_f32<X>(rnd<X>(gv / (1.f + exp_f32(-gv))) * f32(ur[i]));
-      }
-    }
+    for (int64_t r = 0; r < R; ++r) silu_mul_row(gu.data() + r * 2 * I, I, act.data() + r * I);  // as silu_and_mul
     decode_rows(act.data(), R, I, p2, d2);
     decode_project(w2, chunks, d2, kind, bk2, ys.data(), nullptr);
     combine_rows(static_cast<const X*>(ys.data()), g.pos.data(), w.data_ptr<float>(), T, K, H, out.data_ptr<X>());
