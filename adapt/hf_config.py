@@ -150,9 +150,10 @@ def _compressed_tensors(q: Mapping[str, Any]) -> QuantSpec:
     if "Linear" not in (g.get("targets") or ()):
         raise ConfigError(f"compressed-tensors config group {name!r}: targets must include 'Linear'; "
                           f"got {g.get('targets')!r}")
-    if g.get("input_activations") or g.get("output_activations"):
-        raise ConfigError(f"compressed-tensors config group {name!r}: quantized activations (W8A8) are not "
-                          "supported; weight-only schemes (W8A16, W4A16) are")
+    if g.get("output_activations"):
+        raise ConfigError(f"compressed-tensors config group {name!r}: quantized output activations are not "
+                          "supported")
+    act = _ct_activations(name, g.get("input_activations"))
     w = g.get("weights") or {}
     bits, strategy, group = w.get("num_bits"), w.get("strategy"), w.get("group_size")
     if w.get("type", "int") != "int" or bits != _CT_FORMATS[fmt]:
@@ -172,7 +173,22 @@ def _compressed_tensors(q: Mapping[str, Any]) -> QuantSpec:
     if bits == 8 and not symmetric:
         raise ConfigError("compressed-tensors int-quantized: only symmetric int8 weights are supported")
     return QuantSpec(method="compressed-tensors", fmt=fmt, bits=bits, group_size=group, symmetric=symmetric,
-                     ignore=tuple(str(m) for m in q.get("ignore") or ()))
+                     ignore=tuple(str(m) for m in q.get("ignore") or ()), activations=act)
+
+
+def _ct_activations(name: str, a: Any) -> str | None:
+    """compressed-tensors' input_activations: none (weight-only: W8A16, W4A16) or dynamic symmetric int8 per token
+    (W8A8, W4A8) -> "int8"."""
+    if not a:
+        return None
+    if not isinstance(a, Mapping):
+        raise ConfigError(f"compressed-tensors config group {name!r}: input_activations must be an object")
+    got = {k: a.get(k) for k in ("num_bits", "type", "strategy", "dynamic", "symmetric")}
+    if got != {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}:
+        raise ConfigError(f"compressed-tensors config group {name!r}: input activations must be dynamic symmetric "
+                          f"int8 per token (num_bits 8, type int, strategy token, dynamic true, symmetric true); "
+                          f"got {', '.join(f'{k}={v!r}' for k, v in got.items())}")
+    return "int8"
 
 
 def _eos(cfg: Mapping[str, Any]) -> tuple[int, ...]:

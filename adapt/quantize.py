@@ -123,8 +123,11 @@ def quantized_parts(scheme: str, name: str, w: "torch.Tensor", *, block: tuple[i
 
 
 def quantization_config(scheme: str, *, block: tuple[int, int] = (128, 128), group: int | None = 128,
-                        symmetric: bool = True, ignore: list[str] | None = None) -> dict:
-    """The config.json ``quantization_config`` of a checkpoint written by :func:`quantized_parts`."""
+                        symmetric: bool = True, ignore: list[str] | None = None,
+                        activations: str | None = None) -> dict:
+    """The config.json ``quantization_config`` of a checkpoint written by :func:`quantized_parts`;
+    ``activations="int8"`` (int8 / int4 only) declares the linears' inputs quantized dynamically per token (W8A8,
+    W4A8)."""
     if scheme == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(block)}
@@ -133,7 +136,11 @@ def quantization_config(scheme: str, *, block: tuple[int, int] = (128, 128), gro
                "group_size": None if scheme == "int8" or group is None else group, "dynamic": False,
                "actorder": None, "observer": "minmax"}
     fmt = "int-quantized" if scheme == "int8" else "pack-quantized"
+    inputs = None
+    if activations == "int8":
+        inputs = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
+                  "dynamic": True, "actorder": None, "observer": None}
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
                                           "output_activations": None, "format": fmt}},
             "ignore": list(ignore if ignore is not None else ["lm_head"]), "kv_cache_scheme": None}

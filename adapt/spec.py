@@ -134,6 +134,8 @@ class QuantSpec:
       packed along the output dim).
 
     ``ignore``: module names (or ``re:`` patterns) kept unquantized (``modules_to_not_convert`` / ``ignore``).
+    ``activations``: ``int8`` where compressed-tensors quantizes the quantized linears' inputs dynamically per token
+    (W8A8, W4A8: symmetric int8, one scale a row); None: weight-only.
     """
 
     method: str  # fp8 | compressed-tensors
@@ -143,6 +145,7 @@ class QuantSpec:
     group_size: int | None = None  # int4: columns per scale; None: one scale per output channel
     symmetric: bool = True
     ignore: tuple[str, ...] = ()
+    activations: str | None = None
 
     @property
     def weight_dtype(self) -> str:

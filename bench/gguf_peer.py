@@ -222,8 +222,8 @@ except ImportError:
 
 
 PEERS = {"llama.cpp bf16": "BF16", "llama.cpp q8_0": "Q8_0", "llama.cpp q4_0": "Q4_0"}  # timed form -> GGUF type
-VERSUS = {"bf16": "llama.cpp bf16", "int8": "llama.cpp q8_0", "int8+lm_head": "llama.cpp q8_0",
-          "int4": "llama.cpp q4_0", "int4+lm_head": "llama.cpp q4_0"}  # adapt form -> its llama.cpp peer
+VERSUS = {"bf16": "llama.cpp bf16"} | {f"{q}{a}{h}": f"llama.cpp {peer}" for q, peer in (("int8", "q8_0"), ("int4", "q4_0"))
+                                        for a in ("", "-a8") for h in ("", "+lm_head")}  # adapt form -> its peer
 
 
 def absent() -> str | None:

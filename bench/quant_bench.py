@@ -4,7 +4,8 @@ Builds the dense ~120M llama-shaped model and the MoE model of bench/runtime_ben
 int8 and int4 copies of each with ``adapt shard --quantize`` (the same function in-process; compressed-tensors,
 lm_head kept unquantized as that format's default ``ignore`` does) and, with ``--lm-head both`` (the default),
 int8+lm_head / int4+lm_head copies with ``--quantize-lm-head`` (a tied head untied: lm_head quantized, the
-embedding kept in bf16 for the lookup). It times batch-1 and batch-16 greedy decode tokens/s of the forms in
+embedding kept in bf16 for the lookup), each also with ``--activations int8`` (W8A8 / W4A8: "-a8" forms, the
+linears' inputs quantized to int8 per token, as llama.cpp's Q8_0 / Q4_0 quantize theirs to Q8). It times batch-1 and batch-16 greedy decode tokens/s of the forms in
 rounds whose order alternates, so that all see the same state of a shared host; each ratio is the median of
 the per-round ratios. Prints one JSON document with the weight bytes each form holds, the bytes one decode
 step reads (the weights less an embedding that only has rows looked up: the batch-1 ceiling's numerator) and
@@ -18,7 +19,7 @@ int8 / Q8_0, int4 / Q4_0 (with and without lm_head quantized), and top-1 agreeme
 float32 on one 64-token prompt.
 
     python bench/quant_bench.py [--models dense,moe] [--decode-tokens 32] [--rounds 5] [--group-size 128]
-                                [--lm-head both|plain|quantized]
+                                [--lm-head both|plain|quantized] [--activations both|none|int8]
     python bench/quant_bench.py --smoke   # tiny models, one round: checks the bench runs, no figures to read
 """
 
@@ -46,8 +47,10 @@ from adapt.runtime.sampling import SamplingParams  # noqa: E402
 from adapt.runtime.tactics import host  # noqa: E402
 from adapt.shard.run import shard  # noqa: E402
 
-QUANTS = {"int8": ("int8", False), "int4": ("int4", False), "int8+lm_head": ("int8", True),
-          "int4+lm_head": ("int4", True)}  # form -> (--quantize, --quantize-lm-head)
+# form -> (--quantize, --quantize-lm-head, --activations): weight-only (W8A16, W4A16) and with the linears' inputs
+# quantized to int8 per token (W8A8, W4A8: "-a8", the int8 dot llama.cpp's Q8_0 / Q4_0 also run)
+QUANTS = {f"{q}{a}{h}": (q, bool(h), "int8" if a else "none")
+          for a in ("", "-a8") for h in ("", "+lm_head") for q in ("int8", "int4")}
 GOALS_B1 = {"int8": 1.6, "int4": 2.5}
 SMOKE = {"dense": dict(DENSE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=512),
@@ -79,15 +82,16 @@ def bench_model(name, cfg, args, tmp: Path):
     del hf
     src = tmp / name
     paths = {"bf16": src}
-    quants = [f for f in QUANTS if args.lm_head == "both" or QUANTS[f][1] == (args.lm_head == "quantized")]
+    quants = [f for f in QUANTS if (args.lm_head == "both" or QUANTS[f][1] == (args.lm_head == "quantized"))
+              and (args.activations == "both" or QUANTS[f][2] == args.activations)]
     forms = ["bf16"] + quants
     for f in quants:
-        q, head = QUANTS[f]
+        q, head, act = QUANTS[f]
         t = time.perf_counter()
         paths[f] = tmp / f"{name}-{f}"
-        shard(src, paths[f], quantize=q, group_size=args.group_size, quantize_lm_head=head)
-        print(f"# {name}: shard --quantize {q}{' --quantize-lm-head' * head} in {time.perf_counter() - t:.1f}s",
-              file=sys.stderr)
+        shard(src, paths[f], quantize=q, group_size=args.group_size, quantize_lm_head=head, activations=act)
+        print(f"# {name}: shard --quantize {q}{' --quantize-lm-head' * head} --activations {act} in "
+              f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
     engines = {f: Engine.from_pretrained(paths[f], dtype="bfloat16", kv_cache_memory="512MiB") for f in forms}
     res = {"params": n_params}
     n = args.decode_tokens
@@ -151,6 +155,8 @@ def main():
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--lm-head", default="both", choices=("both", "plain", "quantized"),
                     help="quantized forms with lm_head kept bf16 (plain), quantized too, or both")
+    ap.add_argument("--activations", default="both", choices=("both", "none", "int8"),
+                    help="quantized forms weight-only (none), with int8 per-token activations (int8), or both")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp peer where it is installed")
     ap.add_argument("--smoke", action="store_true", help="tiny models, one round, 4 tokens: the bench runs")

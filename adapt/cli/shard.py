@@ -47,6 +47,9 @@ def run_cmd(
     quantize_lm_head: Annotated[bool, typer.Option("--quantize-lm-head", help="int8 / int4: quantize lm_head too "
                                 "(a head tied to the embedding is written untied: lm_head quantized, the embedding "
                                 "kept).")] = False,
+    activations: Annotated[str, typer.Option("--activations", help="none | int8: with --quantize int8 / int4, "
+                           "declare the linears' inputs quantized to int8 per token at run time (W8A8 / W4A8, "
+                           "compressed-tensors' dynamic input_activations).")] = "none",
     max_file_size: Annotated[str, typer.Option("--max-file-size", help="Split rank files at this size.")] = "5GB",
     workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Source files (or rank groups of "
                                          "one) processed at once; 0 = one per core, 8 at most.")] = 0,
@@ -84,7 +87,7 @@ def run_cmd(
                        max_file_size=parse_size(max_file_size), workers=workers,
                        memory_budget=parse_size(memory_budget, "--memory-budget"), force=force, allow_pickle=allow_pickle,
                        trust_hub_cache=not rehash_source, progress=progress, quantize=quantize,
-                       group_size=group_size, quantize_lm_head=quantize_lm_head)
+                       group_size=group_size, quantize_lm_head=quantize_lm_head, activations=activations)
     finally:
         if bar.live.is_started:
             bar.stop()

@@ -28,7 +28,7 @@ from adapt.shard.manifest import MANIFEST, Manifest, OutputFile, load_manifest
 from adapt.shard.fanout import Unit, run_unit
 from adapt.shard.iomode import direct_io, env_mode
 from adapt.shard.planner import DEFAULT_MAX_FILE_SIZE, plan_outputs
-from adapt.shard.transform import DTYPE_CHOICES, Quantize, target_dtype
+from adapt.shard.transform import ACTIVATION_CHOICES, DTYPE_CHOICES, Quantize, target_dtype
 from adapt.shard.source_hash import hashed_digest, recorded_digest
 from adapt.shard import hashing
 from adapt.shard.writer import AtomicFile, remove_stale_tmp, write_bytes
@@ -210,10 +210,11 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
           max_file_size: int = DEFAULT_MAX_FILE_SIZE, workers: int = 0, memory_budget: int = DEFAULT_BUDGET,
           force: bool = False, allow_pickle: bool = False, trust_hub_cache: bool = True,
           progress: Callable[[int, int], None] | None = None, quantize: str | None = None,
-          group_size: int = 128, quantize_lm_head: bool = False) -> ShardResult:
+          group_size: int = 128, quantize_lm_head: bool = False, activations: str | None = None) -> ShardResult:
     """Shard a checkpoint directory into ``out_dir`` per the plan. ``progress(delta_bytes, total_bytes)``.
     ``quantize``: int8 | int4 | fp8, round-to-nearest (transform.Quantize; int4 in groups of ``group_size``);
-    ``quantize_lm_head``: lm_head too (a tied head is untied, see Quantize)."""
+    ``quantize_lm_head``: lm_head too (a tied head is untied, see Quantize); ``activations="int8"``: the output
+    declares int8 per-token input activations (W8A8 / W4A8)."""
     t0 = time.perf_counter()
     src_dir, out = Path(checkpoint), Path(out_dir)
     if dtype not in DTYPE_CHOICES:
@@ -226,7 +227,11 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     spec = ModelSpec.from_hf_config(cfg, name=src_dir.name)
     if quantize_lm_head and not quantize:
         raise ShardError("--quantize-lm-head needs --quantize int8 or int4")
-    quant = Quantize.make(quantize, group_size, quantize_lm_head) if quantize else None
+    if activations not in ACTIVATION_CHOICES:
+        raise ShardError(f"--activations must be none or int8; got {activations!r}")
+    if activations not in (None, "none") and not quantize:
+        raise ShardError("--activations int8 needs --quantize int8 or int4")
+    quant = Quantize.make(quantize, group_size, quantize_lm_head, activations) if quantize else None
     layout = WeightLayout.from_spec(spec)  # a stored format the layout cannot hold is refused here
     if spec.quant is not None and spec.quant.method != "fp8" and (dtype != "keep" or quant is not None):
         raise ShardError(f"{src_dir}: adapt shard slices {spec.quant.method} ({spec.quant.fmt}) checkpoints as stored "

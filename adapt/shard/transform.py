@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made: a pure-slicing ru
 
 DTYPE_CHOICES = ("keep", "bf16", "fp16", "fp32")
 QUANTIZE_CHOICES = ("int8", "int4", "fp8")
+ACTIVATION_CHOICES = (None, "none", "int8")
 
 
 @dataclass(frozen=True)
@@ -26,15 +27,19 @@ class Quantize:
     compressed-tensors), or fp8 in 128 x 128 blocks (DeepSeek's layout); ``spec``: the output's QuantSpec.
     ``lm_head`` (``--quantize-lm-head``, int8 / int4): lm_head is quantized too (the config's ``ignore`` is
     empty); a head tied to the embedding is untied: lm_head.weight is written quantized from the embedding,
-    which stays as it is for the lookup, and the output config says ``tie_word_embeddings: false``."""
+    which stays as it is for the lookup, and the output config says ``tie_word_embeddings: false``.
+    ``activations`` (``--activations int8``, int8 / int4): the config declares the quantized linears' inputs
+    quantized dynamically per token (W8A8, W4A8); the weights are written the same."""
 
     scheme: str
     group_size: int
     spec: QuantSpec
     lm_head: bool = False
+    activations: str | None = None
 
     @classmethod
-    def make(cls, scheme: str, group_size: int = 128, lm_head: bool = False) -> "Quantize":
+    def make(cls, scheme: str, group_size: int = 128, lm_head: bool = False,
+             activations: str | None = None) -> "Quantize":
         from adapt.hf_config import _quant
 
         if scheme not in QUANTIZE_CHOICES:
@@ -44,19 +49,24 @@ class Quantize:
         if lm_head and scheme == "fp8":
             raise ShardError("--quantize-lm-head needs --quantize int8 or int4 (DeepSeek's fp8 layout keeps "
                              "lm_head unquantized)")
-        return cls(scheme, group_size, _quant({"quantization_config": cls.config_of(scheme, group_size, lm_head)}),
-                   lm_head)
+        if activations not in ACTIVATION_CHOICES:
+            raise ShardError(f"--activations must be one of {', '.join(ACTIVATION_CHOICES)}; got {activations!r}")
+        activations = None if activations == "none" else activations
+        if activations and scheme == "fp8":
+            raise ShardError("--activations int8 needs --quantize int8 or int4 (W8A8 / W4A8, compressed-tensors)")
+        cfg = cls.config_of(scheme, group_size, lm_head, activations)
+        return cls(scheme, group_size, _quant({"quantization_config": cfg}), lm_head, activations)
 
     @staticmethod
-    def config_of(scheme: str, group_size: int, lm_head: bool = False) -> dict:
+    def config_of(scheme: str, group_size: int, lm_head: bool = False, activations: str | None = None) -> dict:
         from adapt.quantize import quantization_config
 
-        return quantization_config(scheme, group=group_size, ignore=[] if lm_head else None)
+        return quantization_config(scheme, group=group_size, ignore=[] if lm_head else None, activations=activations)
 
     @property
     def config(self) -> dict:
         """The output config.json's quantization_config."""
-        return self.config_of(self.scheme, self.group_size, self.lm_head)
+        return self.config_of(self.scheme, self.group_size, self.lm_head, self.activations)
 
     @property
     def transform(self) -> str:

@@ -189,3 +189,44 @@ def test_quantize_lm_head_needs_int(llama, tmp_path):
                         "--quantize-lm-head"], capture_output=True, text=True)
     assert r.returncode != 0 and "--quantize-lm-head needs" in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_int8_activations(tmp_path, scheme):
+    """--activations int8: the config declares dynamic per-token int8 inputs (W8A8 / W4A8), the runtime quantizes
+    each linear's input rows (the vpdpbusd decode at these widths, the buffered path on the dequantized rows in
+    prefill) and agrees with its twin; the weights are those of the weight-only shard."""
+    src = save_tiny("llama", tmp_path / "src", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32)[1]
+    out, plain = tmp_path / "a8", tmp_path / "w"
+    shard(src, out, quantize=scheme, activations="int8", quantize_lm_head=True)
+    shard(src, plain, quantize=scheme, quantize_lm_head=True)
+    assert verify(out, source=src).ok
+    acts = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert acts["input_activations"]["strategy"] == "token" and acts["input_activations"]["dynamic"] is True
+    fused = Engine.from_pretrained(out, dtype="float32")
+    twin = Engine.from_pretrained(out, dtype="float32", kernels="reference")
+    held = [m for m in fused.model.modules() if isinstance(m, QuantizedWeight)]
+    assert held and {m.act for m in held} == {"int8"}
+    a, b = fused.prefill_logits(PROMPT), twin.prefill_logits(PROMPT)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    w = Engine.from_pretrained(plain, dtype="float32")
+    assert (w.prefill_logits(PROMPT) - a).abs().max() > 1e-4  # the inputs really are quantized
+    assert fused.weight_bytes == w.weight_bytes
+    from adapt.runtime.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = fused.generate([PROMPT], sp)[0].token_ids
+    assert got == twin.generate([PROMPT], sp)[0].token_ids
+    forms = fused.last_stats["weights"]["quantized"]
+    assert all(f.endswith("int8 activations per token") for f in forms), forms
+
+
+def test_bad_activations_options(llama, tmp_path):
+    with pytest.raises(ShardError, match="--activations must be none or int8"):
+        shard(llama, tmp_path / "a", quantize="int8", activations="fp8")
+    with pytest.raises(ShardError, match="--activations int8 needs --quantize int8 or int4"):
+        shard(llama, tmp_path / "b", activations="int8")
+    with pytest.raises(ShardError, match=r"--activations int8 needs --quantize int8 or int4 \(W8A8"):
+        shard(llama, tmp_path / "c", quantize="fp8", activations="int8")
+    assert not any((tmp_path / d).exists() for d in "abc")

@@ -65,7 +65,8 @@ class QuantizedExperts(nn.Module):
         """x [T, H], routing weights [T, K], global ids [T, K] -> [T, H] (slots routed elsewhere add 0)."""
         if (self._stacked is not None and x.shape[0] <= DECODE_TOKENS and x.is_cpu
                 and not (torch.is_grad_enabled() and x.requires_grad) and self._fused(x.dtype)):
-            return quant_moe(x, weights, ids, self.gate_up[0].kind, *self._stacked, self.offset)
+            gu = self.gate_up[0]
+            return quant_moe(x, weights, ids, gu.kind, *self._stacked, self.offset, gu.act)
         pairs = self._pairs
 
         def expert(ei: int, xs: torch.Tensor, out: torch.Tensor) -> None:
@@ -78,7 +79,7 @@ class QuantizedExperts(nn.Module):
         """Whether quant_moe runs these experts on ``dtype`` activations here; never for the twins
         (QuantizedWeight.fused False)."""
         gu, dn = self.gate_up[0], self.down[0]
-        return gu.fused and quant_moe_takes(gu.kind, gu.k, dn.k, gu.bk, dn.bk, dtype)
+        return gu.fused and quant_moe_takes(gu.kind, gu.k, dn.k, gu.bk, dn.bk, dtype, gu.act)
 
     def form(self) -> str:
         return self.gate_up[0].form() if len(self.gate_up) else "none"

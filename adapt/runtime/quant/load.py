@@ -102,7 +102,7 @@ def _held(spec: ModelSpec, quant: dict, srcs: list[tuple[str, int, int]], n: int
         starts = [(row, slice_of(quant[name][0])) for name, row, _ in srcs]
         if any(row % rb or (sl is not None and sl.dim == 0 and sl.start % rb) for row, sl in starts):
             rb = 1
-    return QuantizedWeight(kind_of(spec), n, k, rb, bk, zero, srcs, fused)
+    return QuantizedWeight(kind_of(spec), n, k, rb, bk, zero, srcs, fused, act=spec.quant.activations)
 
 
 def _experts(m: nn.Module, spec: ModelSpec, quant: dict, slice_of: SliceOf, fused: bool) -> bool:

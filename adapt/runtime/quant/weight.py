@@ -8,7 +8,8 @@ their float32 scales and (int4 with zero points) int8 zero points, flagged ``kee
 Held forms (``kernels/quant_linear.py`` legend): fp8 q [N, K] float8_e4m3fn, scale [ceil(N / rb), ceil(K / 128)]
 with rb 128 (the checkpoint's blocks) or 1 (one scale row per weight row, where fused or sliced rows do not
 start on a block edge); int8 q [N, K], scale [N, 1]; int4 q [N, 4 * ceil(K / 8)] uint8 (the int32 words'
-bytes), scale [N, ceil(K / group)], zero [N, ceil(K / group)] int8 or none.
+bytes), scale [N, ceil(K / group)], zero [N, ceil(K / group)] int8 or none. ``act="int8"`` (W8A8, W4A8): the
+forward quantizes x per row first (kernels/quant_linear.py).
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
 
 class QuantizedWeight(nn.Module):
     """An [N, K] weight held quantized; ``sources``: (checkpoint weight name, first row, rows) of each matrix
-    fused into it (q|k|v, gate|up), whose stored tensors the loaders (load.py) copy in."""
+    fused into it (q|k|v, gate|up), whose stored tensors the loaders (load.py) copy in; ``act``: how its inputs
+    are taken (None as they are, "int8" quantized per row)."""
 
     def __init__(self, kind: str, n: int, k: int, rb: int, bk: int, zero: bool, sources: list[tuple[str, int, int]],
-                 fused: bool):
+                 fused: bool, act: str | None = None):
         super().__init__()
-        self.kind, self.n, self.k, self.rb, self.bk = kind, n, k, rb, bk
+        self.kind, self.n, self.k, self.rb, self.bk, self.act = kind, n, k, rb, bk, act
         self.sources, self.fused = sources, fused
         groups = -(-k // bk)
         if kind == "int4":
@@ -48,7 +50,7 @@ class QuantizedWeight(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         fn = quant_linear if self.fused else quant_linear_ref
-        return fn(x, self.kind, self.q, self.scale, self.zero, self.rb, self.bk, self.k, bias)
+        return fn(x, self.kind, self.q, self.scale, self.zero, self.rb, self.bk, self.k, bias, self.act)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The real weight [N, K] (a copy)."""
@@ -58,7 +60,12 @@ class QuantizedWeight(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def form(self) -> str:
-        """How it is held, for engine stats: 'fp8 128x128 blocks', 'int8 per channel', 'int4 g128 (zero points)'."""
+        """How it is held, for engine stats: 'fp8 128x128 blocks', 'int8 per channel', 'int4 g128 (zero points)',
+        with ', int8 activations per token' where its inputs are quantized."""
+        held = self._held()
+        return held + (", int8 activations per token" if self.act == "int8" else "")
+
+    def _held(self) -> str:
         if self.kind == "fp8":
             return f"fp8 {self.rb}x{self.bk} blocks" if self.rb > 1 else f"fp8 1x{self.bk} row blocks"
         if self.kind == "int8":

@@ -29,7 +29,8 @@ def _quantized(kind: str, w: torch.Tensor, g: int):
     return pack_int4(q).view(torch.uint8), s, z, 1, g
 
 
-def _experts(kind: str, e: int, h: int, inter: int, g: int, offset: int = 0, twin: bool = False):
+def _experts(kind: str, e: int, h: int, inter: int, g: int, offset: int = 0, twin: bool = False,
+             act: str | None = None):
     """QuantizedExperts of e random experts, stacked as a materialized model's are, and the dequantized
     stacked float32 weights (gate_up [E, 2I, H], down [E, H, I])."""
     gen = torch.Generator().manual_seed(e * 100 + h + g)
@@ -40,7 +41,7 @@ def _experts(kind: str, e: int, h: int, inter: int, g: int, offset: int = 0, twi
 
     def held(parts, n, k):
         q, s, z, rb, bk = parts
-        return QuantizedWeight(kind, n, k, rb, bk, z is not None, [("w", 0, n)], not twin)
+        return QuantizedWeight(kind, n, k, rb, bk, z is not None, [("w", 0, n)], not twin, act=act)
 
     gu = [held(p, 2 * inter, h) for p in made["gu"]]
     dn = [held(p, h, inter) for p in made["dn"]]
@@ -102,6 +103,30 @@ def test_decode_bitwise_equal_to_per_expert(fused_kernels, kind, g, dtype, h):
         got = qe(x, weights, ids)
         assert got.dtype == dtype and got.shape == (t, h)
         assert torch.equal(got, _per_expert(qe, x, weights, ids)), (kind, g, dtype, t, k)
+
+
+@pytest.mark.parametrize("kind,g", [("int4", 128), ("int4", 32), ("int8", 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_activations(fused_kernels, kind, g, dtype):
+    # W4A8 / W8A8: bitwise equal to the per-expert form (each expert's inputs quantized per row there too) where
+    # no expert has more than 2 rows; 16 tokens against the per-expert twin (float32 products of the quantized
+    # rows), and the activations really quantized (the weight-only experts differ)
+    e, h, inter = 8, 256, 128
+    qe, _, _ = _experts(kind, e, h, inter, g, act="int8")
+    if not quant_moe_takes(kind, h, inter, qe.gate_up[0].bk, qe.down[0].bk, dtype, "int8"):
+        pytest.skip("no int8-activation decode for this form here")
+    for t, k in ((1, 4), (3, 4)):
+        weights, ids = _routing(t, k, e, t, spread=True)
+        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(dtype)
+        got = qe(x, weights, ids)
+        assert torch.equal(got, _per_expert(qe, x, weights, ids)), (kind, g, dtype, t, k)
+    weights, ids = _routing(16, 4, e, 7, spread=False)
+    x = torch.randn(16, h, generator=torch.Generator().manual_seed(5))
+    twin, _, _ = _experts(kind, e, h, inter, g, twin=True, act="int8")
+    plain, _, _ = _experts(kind, e, h, inter, g, twin=True)
+    got, want = qe(x, weights, ids), twin(x, weights, ids)
+    assert_fp32_close(got, want, f"{kind} g{g} a8")
+    assert (plain(x, weights, ids) - want).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("kind,g", CASES)

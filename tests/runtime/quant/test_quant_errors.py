@@ -66,7 +66,15 @@ def test_misshaped_scale(fp8_dir, tmp_path, capsys, _cli):
      "format 'marlin-24'"),
     (dict(quant_method="compressed-tensors", format="int-quantized", config_groups={"g": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}), "W8A8"),
+        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}),
+     "input activations must be dynamic symmetric int8 per token"),  # no strategy: not per token
+    (dict(quant_method="compressed-tensors", format="int-quantized", config_groups={"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                              "symmetric": True}}}), "got num_bits=8, type='float'"),
+    (dict(quant_method="compressed-tensors", format="int-quantized", config_groups={"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+        "output_activations": {"num_bits": 8}}}), "quantized output activations"),
     (dict(quant_method="compressed-tensors", format="pack-quantized", config_groups={"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}), "group_size"),
 ])
@@ -80,6 +88,12 @@ def test_unsupported_configs(q, msg, tmp_path, capsys, _cli):
 
 
 def test_parsed_formats():
+    a8 = ModelSpec.from_hf_config(dict(tiny_config("llama"), quantization_config={
+        "quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True,
+                                  "symmetric": True, "group_size": None}}}}))
+    assert a8.quant.activations == "int8"
     ct = ModelSpec.from_hf_config(dict(tiny_config("llama"), quantization_config={
         "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*k_proj"],
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {

@@ -52,6 +52,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("QUANT_BF16_DOT") = false;
 #endif
+#ifdef ADAPT_QA8
+  m.attr("QUANT_A8_DOT") = true;  // int8-activation decode of int8 / int4 weights by vpdpbusd (quant_dot_a8.h)
+#else
+  m.attr("QUANT_A8_DOT") = false;
+#endif
   m.def("linear_tiled", &linear_tiled, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
 #ifdef ADAPT_VW
   m.attr("PANEL") = FMA_NR;  // columns per packed float32 panel of the tiled MoE kernel and linear_tiled

@@ -17,6 +17,7 @@
 
 #include "common.h"
 #include "moe_gemm.h"  // with_rows
+#include "quant_dot_a8.h"
 #include "quant_dot_bf16.h"
 
 namespace adapt_cpu {
@@ -236,8 +237,15 @@ inline void decode_blocks(const QMat& w, const std::vector<QRows>& chunks, T* Y,
 
 // How the decode (at most QMR rows a matrix) reads x for a weight [N, K] of ``kind``: 1 the bf16 dot of int4 (x
 // permuted, quant_dot_bf16.h), 2 its int8 dot (x in float32), 3 the float32 dot (x in float32, W dequantized in
-// registers), 0 none (the buffered path)
-inline int decode_path(int64_t kind, int64_t K, int64_t BK, bool bf16_x) {
+// registers), 4 / 5 the int8-activation dots of int4 / int8 (a8: x quantized per row, quant_dot_a8.h), 0 none
+// (the buffered path; with a8, on x quantized and dequantized to float32)
+inline int decode_path(int64_t kind, int64_t K, int64_t BK, bool bf16_x, bool a8 = false) {
+  if (a8) {
+#ifdef ADAPT_QA8
+    if (qa8_takes(kind, K, BK)) return kind == 2 ? 4 : 5;
+#endif
+    return 0;
+  }
 #ifdef ADAPT_QDP
   if (bf16_x && qdp_takes(kind, K, BK)) return kind == 2 ? 1 : 2;
 #endif
@@ -248,6 +256,16 @@ inline int decode_path(int64_t kind, int64_t K, int64_t BK, bool bf16_x) {
   return 0;
 }
 
+// x [M, K] quantized per row and dequantized, in float32 (the a8 twin's input; quant_dot_a8.h's a8_quantize)
+template <typename X>
+inline void a8_fake_rows(const X* x, int64_t M, int64_t K, float* out) {
+  std::vector<int8_t> q(K);
+  for (int64_t r = 0; r < M; ++r) {
+    const float s = a8_quantize(x + r * K, K, q.data());
+    for (int64_t k = 0; k < K; ++k) out[r * K + k] = static_cast<float>(q[k]) * s;
+  }
+}
+
 #ifdef ADAPT_VW
 // the decode's input rows [R, K] as decode_path's dot reads them: permuted bf16 (path 1) or float32
 struct DecodeRows {
@@ -256,12 +274,19 @@ struct DecodeRows {
   std::vector<bf16> xp;
   std::vector<float> xf;
   const float* f = nullptr;  // float32 rows: xf, or x itself
+#ifdef ADAPT_QA8
+  A8Rows a8;  // paths 4, 5
+#endif
 };
 
 template <typename X>
 inline void decode_rows(const X* x, int64_t R, int64_t K, int path, DecodeRows& d) {
   d.path = path, d.K = K;
-  if (path == 1) {
+  if (path >= 4) {
+#ifdef ADAPT_QA8
+    a8_rows(x, R, K, path == 4 ? 2 : 1, d.a8);
+#endif
+  } else if (path == 1) {
 #ifdef ADAPT_QDP
     if constexpr (std::is_same_v<X, bf16>) {
       d.xp.resize(R * K);
@@ -287,6 +312,21 @@ inline void decode_dot(const DecodeRows& d, int64_t kind, int64_t r0, const uint
   if (d.path == 1) return qdp_int4<MR, QNB, QMR>(d.xp.data() + r0 * K, K, q, s, z, BK, sums, pf);
   if (d.path == 2) return qdp_int8<MR, QNB, QMR>(d.f + r0 * K, K, q, s, sums, pf);
 #endif
+#ifdef ADAPT_QA8
+  if (d.path >= 4) {
+    if constexpr (MR > 2) {  // two rows of x at a time: more would spill the integer and float accumulators
+      float part[QMR][QNB];
+      decode_dot<2>(d, kind, r0, q, s, z, nr, BK, sums, pf);
+      decode_dot<MR - 2>(d, kind, r0 + 2, q, s, z, nr, BK, part, pf);
+      for (int r = 0; r < MR - 2; ++r)
+        for (int j = 0; j < QNB; ++j) sums[2 + r][j] = part[r][j];
+      return;
+    } else {
+      if (d.path == 4) return qa8_int4<MR, QNB, QMR>(d.a8, r0, K, q, s, z, BK, sums, pf);
+      return qa8_int8<MR, QNB, QMR>(d.a8, r0, K, q, s, sums, pf);
+    }
+  }
+#endif
   const float* x = d.f + r0 * K;
   if (kind == 0) qdot_packed<MR, 0>(x, K, q, s, z, nr, K, BK, sums, pf);
   else if (kind == 1) qdot_packed<MR, 1>(x, K, q, s, z, nr, K, BK, sums, pf);
@@ -304,7 +344,10 @@ inline void decode_project(const QMat& w, const std::vector<QRows>& chunks, cons
 #endif
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> zero,
-                           int64_t kind, int64_t RB, int64_t BK, c10::optional<torch::Tensor> bias) {
+                           int64_t kind, int64_t RB, int64_t BK, c10::optional<torch::Tensor> bias,
+                           int64_t act) {
+  TORCH_CHECK(act == 0 || (act == 1 && kind != 0), "quant_linear: act 0 (x as it is) or 1 (x quantized to int8 per "
+              "row), the latter for int8 / int4 weights");
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scale.dim() == 2 && kind >= 0 && kind <= 2 && RB > 0 && BK > 0,
               "quant_linear: x [M, K], q [N, Kq], scale [ceil(N / RB), ceil(K / BK)], kind 0..2");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = (K + BK - 1) / BK;
@@ -333,7 +376,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
   const int64_t ldq = q.size(1);
   const int64_t blocks = (N + QNB - 1) / QNB;
 #ifdef ADAPT_VW
-  const int path = M <= QMR ? decode_path(kind, K, BK, x.scalar_type() == at::kBFloat16) : 0;
+  const int path = M <= QMR ? decode_path(kind, K, BK, x.scalar_type() == at::kBFloat16, act == 1) : 0;
   if (path) {  // decode: W's packed bytes read once, dequantized in registers (or looked up: quant_dot_bf16.h)
     const auto xc = x.contiguous();
     const QMat wm{Q, S, zp, N, ldq, RB, G};
@@ -346,7 +389,12 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
     return y;
   }
 #endif
-  const auto xf = x.to(at::kFloat).contiguous();
+  auto xf = x.to(at::kFloat).contiguous();
+  if (act == 1) {  // x quantized to int8 per row, then dequantized: the twin's input
+    auto xq = torch::empty_like(xf);
+    a8_fake_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<float>());
+    xf = xq;
+  }
   const float* X = xf.data_ptr<float>();
   // rows of x per pass over the weight: ~256 KB of them (L2), a multiple of QMR
   const int64_t MC = std::max<int64_t>(QMR, ((256 << 10) / (4 * std::max<int64_t>(K, 1))) / QMR * QMR);

@@ -43,8 +43,9 @@ inline QMat qmoe_matrix(const torch::Tensor& q, const torch::Tensor& s, const c1
 #endif
 
 // whether quant_moe runs these experts here (gate|up [2I, H] in groups of bk1, down [H, I] in groups of bk2)
-inline bool quant_moe_takes(int64_t kind, int64_t H, int64_t I, int64_t bk1, int64_t bk2, bool bf16_x) {
-  return decode_path(kind, H, bk1, bf16_x) > 0 && decode_path(kind, I, bk2, bf16_x) > 0;
+// (act 1: the experts' inputs quantized to int8 per row, quant_dot_a8.h)
+inline bool quant_moe_takes(int64_t kind, int64_t H, int64_t I, int64_t bk1, int64_t bk2, bool bf16_x, int64_t act) {
+  return decode_path(kind, H, bk1, bf16_x, act == 1) > 0 && decode_path(kind, I, bk2, bf16_x, act == 1) > 0;
 }
 
 // out [T, H] (x's dtype) = sum over the local k of w[t, k] * down(silu(gate x[t]) * up x[t]) of expert
@@ -52,7 +53,7 @@ inline bool quant_moe_takes(int64_t kind, int64_t H, int64_t I, int64_t bk1, int
 torch::Tensor quant_moe(torch::Tensor x, torch::Tensor ids, torch::Tensor w, torch::Tensor q1, torch::Tensor s1,
                         c10::optional<torch::Tensor> z1, torch::Tensor q2, torch::Tensor s2,
                         c10::optional<torch::Tensor> z2, int64_t kind, int64_t rb1, int64_t bk1, int64_t rb2,
-                        int64_t bk2, int64_t offset) {
+                        int64_t bk2, int64_t offset, int64_t act) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && ids.dim() == 2 && ids.scalar_type() == at::kLong &&
                   ids.is_contiguous() && w.scalar_type() == at::kFloat && w.is_contiguous() &&
                   w.sizes() == ids.sizes() && ids.size(0) == x.size(0) && kind >= 0 && kind <= 2,
@@ -66,7 +67,7 @@ torch::Tensor quant_moe(torch::Tensor x, torch::Tensor ids, torch::Tensor w, tor
               "quant_moe: gate|up [E, 2I, H] and down [E, H, I] for x [T, H]");
   const QMat w2 = qmoe_matrix(q2, s2, z2, kind, I, rb2, bk2, "down");
   const bool bf = x.scalar_type() == at::kBFloat16;
-  const int p1 = decode_path(kind, H, bk1, bf), p2 = decode_path(kind, I, bk2, bf);
+  const int p1 = decode_path(kind, H, bk1, bf, act == 1), p2 = decode_path(kind, I, bk2, bf, act == 1);
   TORCH_CHECK(p1 > 0 && p2 > 0, "quant_moe: no decode kernel takes these weights here (quant_moe_takes)");
   const SlotGroups g = group_slots(ids.data_ptr<int64_t>(), T * K, E, offset);
   const int64_t R = g.start[E];
@@ -76,18 +77,18 @@ torch::Tensor quant_moe(torch::Tensor x, torch::Tensor ids, torch::Tensor w, tor
   float_or_bf16(x, "quant_moe", [&](auto tag) {
     using X = decltype(tag);
     const X* xp = x.data_ptr<X>();
-    std::vector<X> xg(R * H), gu(R * 2 * I), act(R * I), ys(R * H);
+    std::vector<X> xg(R * H), gu(R * 2 * I), mid(R * I), ys(R * H);
     for (int64_t r = 0; r < R; ++r) std::memcpy(xg.data() + r * H, xp + (g.slot[r] / K) * H, H * sizeof(X));
     DecodeRows d1, d2;
     decode_rows(xg.data(), R, H, p1, d1);
     decode_project(w1, chunks, d1, kind, bk1, gu.data(), nullptr);
-    for (int64_t r = 0; r < R; ++r) silu_mul_row(gu.data() + r * 2 * I, I, act.data() + r * I);  // as silu_and_mul
-    decode_rows(act.data(), R, I, p2, d2);
+    for (int64_t r = 0; r < R; ++r) silu_mul_row(gu.data() + r * 2 * I, I, mid.data() + r * I);  // as silu_and_mul
+    decode_rows(mid.data(), R, I, p2, d2);
     decode_project(w2, chunks, d2, kind, bk2, ys.data(), nullptr);
     combine_rows(static_cast<const X*>(ys.data()), g.pos.data(), w.data_ptr<float>(), T, K, H, out.data_ptr<X>());
   });
 #else
-  (void)q1, (void)s1, (void)z1, (void)q2, (void)s2, (void)z2, (void)rb1, (void)bk1, (void)rb2, (void)bk2, (void)offset;
+  (void)q1, (void)s1, (void)z1, (void)q2, (void)s2, (void)z2, (void)rb1, (void)bk1, (void)rb2, (void)bk2, (void)offset, (void)act;
   TORCH_CHECK(false, "quant_moe: needs a vector layer, not in this build");
 #endif
   return out;
