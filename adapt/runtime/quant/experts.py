@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from adapt.runtime.kernels import fused
 from adapt.runtime.kernels.activation import silu_and_mul
 from adapt.runtime.kernels.moe_experts import _grouped
 from adapt.runtime.kernels.quant_linear import quant_moe, quant_moe_takes
@@ -35,6 +36,7 @@ class QuantizedExperts(nn.Module):
         self._pairs = list(zip(gate_up, down))  # plain tuples for the per-expert loop
         # (gate|up, down) as quant_moe takes them, once ``materialized`` has stacked them; None: per expert
         self._stacked: tuple | None = None
+        self._takes: dict = {}  # (kernel module, dtype) -> whether quant_moe runs them (_fused)
 
     def materialized(self, empty) -> None:
         """Make every expert's tensors views of one [E, ...] tensor per kind (``empty(shape, dtype)``
@@ -78,8 +80,12 @@ class QuantizedExperts(nn.Module):
     def _fused(self, dtype: torch.dtype) -> bool:
         """Whether quant_moe runs these experts on ``dtype`` activations here; never for the twins
         (QuantizedWeight.fused False)."""
-        gu, dn = self.gate_up[0], self.down[0]
-        return gu.fused and quant_moe_takes(gu.kind, gu.k, dn.k, gu.bk, dn.bk, dtype, gu.act)
+        key = (fused.module(), dtype)  # the module too: fused.disabled() swaps it
+        got = self._takes.get(key)
+        if got is None:
+            gu, dn = self.gate_up[0], self.down[0]
+            got = self._takes[key] = gu.fused and quant_moe_takes(gu.kind, gu.k, dn.k, gu.bk, dn.bk, dtype, gu.act)
+        return got
 
     def form(self) -> str:
         return self.gate_up[0].form() if len(self.gate_up) else "none"
