@@ -88,6 +88,20 @@ inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+// the sums of four vectors at once (out[i] = the lanes of v[i] added; one transpose-add instead of four
+// horizontal reductions; another order of the additions than vsum)
+inline void vsum4(const __m512 (&v)[4], float* out) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  // each 128-bit lane of abcd holds partial sums of v[0] .. v[3]: the four lanes added
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd), hi);
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  _mm_storeu_ps(out, q);
+}
 inline vf vfloor(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
 inline vf vpow2i(vf fi) {  // 2^fi for integral fi in the normal range
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fi), _mm512_set1_epi32(127)), 23));

@@ -124,7 +124,13 @@ inline void qa8_int4(const A8Rows& a, int64_t r0, int64_t K, const uint8_t* cons
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NB; ++j) out[r][j] = a.s[r0 + r] * (_mm512_reduce_add_ps(facc[r][j]) - corr[r][j]);
+    if constexpr (NB == 4) {
+      float sum[4];
+      vsum4(facc[r], sum);
+      for (int j = 0; j < NB; ++j) out[r][j] = a.s[r0 + r] * (sum[j] - corr[r][j]);
+    } else {
+      for (int j = 0; j < NB; ++j) out[r][j] = a.s[r0 + r] * (_mm512_reduce_add_ps(facc[r][j]) - corr[r][j]);
+    }
 }
 
 // int8 W (per channel) against quantized rows (stored as q + 128)

@@ -103,7 +103,13 @@ inline void qdp_int4(const bf16* xp, int64_t K, const uint8_t* const (&q)[NB], c
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NB; ++j) out[r][j] = _mm512_reduce_add_ps(qdp_fold<AC>(acc[r][j]));
+    if constexpr (NB == 4) {
+      const __m512 f[4] = {qdp_fold<AC>(acc[r][0]), qdp_fold<AC>(acc[r][1]), qdp_fold<AC>(acc[r][2]),
+                           qdp_fold<AC>(acc[r][3])};
+      vsum4(f, out[r]);
+    } else {
+      for (int j = 0; j < NB; ++j) out[r][j] = _mm512_reduce_add_ps(qdp_fold<AC>(acc[r][j]));
+    }
 }
 
 // int8 W (per channel), bf16 rows of x held in float32 (exactly): float32 FMAs of x and the exact integers (no
