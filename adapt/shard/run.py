@@ -28,7 +28,7 @@ from adapt.shard.manifest import MANIFEST, Manifest, OutputFile, load_manifest
 from adapt.shard.fanout import Unit, run_unit
 from adapt.shard.iomode import direct_io, env_mode
 from adapt.shard.planner import DEFAULT_MAX_FILE_SIZE, plan_outputs
-from adapt.shard.transform import ACTIVATION_CHOICES, DTYPE_CHOICES, Quantize, target_dtype
+from adapt.shard.transform import DTYPE_CHOICES, Quantize, activations_of, target_dtype
 from adapt.shard.source_hash import hashed_digest, recorded_digest
 from adapt.shard import hashing
 from adapt.shard.writer import AtomicFile, remove_stale_tmp, write_bytes
@@ -227,9 +227,7 @@ def shard(checkpoint: str | Path, out_dir: str | Path, plan: ParallelPlan | None
     spec = ModelSpec.from_hf_config(cfg, name=src_dir.name)
     if quantize_lm_head and not quantize:
         raise ShardError("--quantize-lm-head needs --quantize int8 or int4")
-    if activations not in ACTIVATION_CHOICES:
-        raise ShardError(f"--activations must be none or int8; got {activations!r}")
-    if activations not in (None, "none") and not quantize:
+    if activations_of(activations) and not quantize:
         raise ShardError("--activations int8 needs --quantize int8 or int4")
     quant = Quantize.make(quantize, group_size, quantize_lm_head, activations) if quantize else None
     layout = WeightLayout.from_spec(spec)  # a stored format the layout cannot hold is refused here

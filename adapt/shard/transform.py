@@ -18,7 +18,15 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made: a pure-slicing ru
 
 DTYPE_CHOICES = ("keep", "bf16", "fp16", "fp32")
 QUANTIZE_CHOICES = ("int8", "int4", "fp8")
-ACTIVATION_CHOICES = (None, "none", "int8")
+
+
+def activations_of(value: str | None) -> str | None:
+    """``--activations``: none (or None) -> None, weight-only; int8 -> "int8"; anything else an error."""
+    if value in (None, "none"):
+        return None
+    if value != "int8":
+        raise ShardError(f"--activations must be none or int8; got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -49,9 +57,7 @@ class Quantize:
         if lm_head and scheme == "fp8":
             raise ShardError("--quantize-lm-head needs --quantize int8 or int4 (DeepSeek's fp8 layout keeps "
                              "lm_head unquantized)")
-        if activations not in ACTIVATION_CHOICES:
-            raise ShardError(f"--activations must be one of {', '.join(ACTIVATION_CHOICES)}; got {activations!r}")
-        activations = None if activations == "none" else activations
+        activations = activations_of(activations)
         if activations and scheme == "fp8":
             raise ShardError("--activations int8 needs --quantize int8 or int4 (W8A8 / W4A8, compressed-tensors)")
         cfg = cls.config_of(scheme, group_size, lm_head, activations)

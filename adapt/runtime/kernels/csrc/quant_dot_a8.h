@@ -54,7 +54,7 @@ inline float a8_quantize(const X* x, int64_t K, int8_t* q) {
 
 template <typename X>
 inline void a8_rows(const X* x, int64_t R, int64_t K, int64_t kind, A8Rows& a) {
-  a.q.resize(R * K), a.s.resize(R), a.blk.assign(R * (K / QA8_K4 + 1), 0);
+  a.q.resize(R * K), a.s.resize(R), a.blk.resize(kind == 2 ? R * (K / QA8_K4) : 0);
   std::vector<int8_t> row(K);
   for (int64_t r = 0; r < R; ++r) {
     a.s[r] = a8_quantize(x + r * K, K, row.data());
@@ -67,7 +67,7 @@ inline void a8_rows(const X* x, int64_t R, int64_t K, int64_t kind, A8Rows& a) {
           dst[k0 + 64 + b] = static_cast<uint8_t>(row[k0 + 2 * b + 1]);
           sum += row[k0 + 2 * b] + row[k0 + 2 * b + 1];
         }
-        a.blk[r * (K / QA8_K4 + 1) + k0 / QA8_K4] = sum;
+        a.blk[r * (K / QA8_K4) + k0 / QA8_K4] = sum;
       }
     } else {
       for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<uint8_t>(row[k] + 128);
@@ -83,7 +83,7 @@ inline void qa8_int4(const A8Rows& a, int64_t r0, int64_t K, const uint8_t* cons
                      const float* const (&s)[NB], const int8_t* const (&z)[NB], int64_t BK, float (&out)[MRMAX][NB],
                      int64_t pf) {
   constexpr int AC = MR == 1 ? 2 : 1;  // independent integer chains per (row of x, row of W)
-  const int64_t bk = std::min(BK, K), nblk = K / QA8_K4 + 1;
+  const int64_t bk = std::min(BK, K), nblk = K / QA8_K4;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 facc[MR][NB];
   float corr[MR][NB];

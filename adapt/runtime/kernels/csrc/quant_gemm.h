@@ -239,7 +239,7 @@ inline void decode_blocks(const QMat& w, const std::vector<QRows>& chunks, T* Y,
 // permuted, quant_dot_bf16.h), 2 its int8 dot (x in float32), 3 the float32 dot (x in float32, W dequantized in
 // registers), 4 / 5 the int8-activation dots of int4 / int8 (a8: x quantized per row, quant_dot_a8.h), 0 none
 // (the buffered path; with a8, on x quantized and dequantized to float32)
-inline int decode_path(int64_t kind, int64_t K, int64_t BK, bool bf16_x, bool a8 = false) {
+inline int decode_path(int64_t kind, int64_t K, int64_t BK, bool bf16_x, bool a8) {
   if (a8) {
 #ifdef ADAPT_QA8
     if (qa8_takes(kind, K, BK)) return kind == 2 ? 4 : 5;
