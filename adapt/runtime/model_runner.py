@@ -20,6 +20,7 @@ from adapt.runtime.vision.request import decode_delta, step_inputs
 class ModelRunner:
     def __init__(self, model: CausalLM, kernels, device: torch.device, pool: KVPool | None):
         self.model, self.kernels, self.device, self.pool = model, kernels, device, pool
+        model.freeze()  # parameters and submodules read without nn.Module.__getattr__ (runtime/module.py)
         # the pool holds this rank's layers; attention indexes the cache by global layer index
         start = model.layer_range[0]
         self.kv_layers = [None] * start + list(pool.layers) if pool is not None else None

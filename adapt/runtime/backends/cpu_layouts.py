@@ -23,6 +23,7 @@ from adapt.runtime.kernels.moe_tiled import pack_tiled, tiled_panel, tiles
 from adapt.runtime.kernels.rows import bucket_rows, pad_rows
 from adapt.runtime.models.moe import MoE
 from adapt.runtime.tactics import STRATEGY_ENV, TACTICS, packing_wins
+from adapt.runtime.module import Module
 
 # dtypes whose oneDNN-packed linear equals F.linear bitwise on CPU (measured, torch 2.13)
 PACK_DTYPES_EXACT = (torch.bfloat16, torch.float16)
@@ -34,7 +35,7 @@ PACK_DTYPES_EXACT = (torch.bfloat16, torch.float16)
 PACK_DTYPES_ALL = PACK_DTYPES_EXACT + (torch.float32,)
 
 
-class OneDNNWeight(nn.Module):
+class OneDNNWeight(Module):
     """A linear weight in oneDNN's blocked layout; its GEMM pads the row count up to a bucket (``bucket_rows``)
     so that new prefill lengths reuse compiled primitives."""
 
@@ -53,7 +54,7 @@ class OneDNNWeight(nn.Module):
         return (y[:n] if m != n else y).view(*x.shape[:-1], y.shape[-1])
 
 
-class PanelWeight(nn.Module):
+class PanelWeight(Module):
     """A linear weight [N, K] in the tiled FMA GEMM's column panels [N / P, K, P] (kernels/linear_tiled.py);
     ``rows(ids)`` reads embedding rows back from them (a head tied to the embedding)."""
 
@@ -119,7 +120,7 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK_DTY
     return n
 
 
-class TiledExperts(nn.Module):
+class TiledExperts(Module):
     """A MoE block's experts packed for the fused tiled kernel (moe_experts_tiled, kernels/moe_tiled.py)."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, offset: int):
@@ -143,7 +144,7 @@ class TiledExperts(nn.Module):
         return f"tiled ({how})"
 
 
-class OneDNNExperts(nn.Module):
+class OneDNNExperts(Module):
     """A MoE block's experts, each gate_up and down repacked for oneDNN (moe_experts_packed)."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, offset: int):

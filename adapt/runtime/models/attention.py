@@ -18,6 +18,7 @@ from adapt.runtime.models.layers import ColumnParallelLinear, Linear, RMSNorm, R
 from adapt.runtime.models.names import LayoutNames
 from adapt.runtime.parallel import ParallelContext
 from adapt.spec import ModelSpec, RopeSpec
+from adapt.runtime.module import Module
 
 
 def rope_scaling(rope: RopeSpec, max_position_embeddings: int) -> dict:
@@ -54,7 +55,7 @@ class Rotary:
         return batch.rope[key]
 
 
-class GQAAttention(nn.Module):
+class GQAAttention(Module):
     def __init__(self, spec: ModelSpec, n: LayoutNames, i: int, ctx: ParallelContext):
         super().__init__()
         a = spec.attention
@@ -107,7 +108,7 @@ class GQAAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(Module):
     def __init__(self, spec: ModelSpec, n: LayoutNames, i: int, ctx: ParallelContext):
         super().__init__()
         a = spec.attention

@@ -30,9 +30,10 @@ from adapt.runtime.models.moe import MoE
 from adapt.runtime.models.names import LayoutNames
 from adapt.runtime.parallel import ParallelContext
 from adapt.spec import ModelSpec
+from adapt.runtime.module import Module
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Module):
     def __init__(self, spec: ModelSpec, n: LayoutNames, i: int, attn: nn.Module, ctx: ParallelContext):
         super().__init__()
         self.index = i
@@ -63,7 +64,7 @@ class DecoderLayer(nn.Module):
         return m, residual
 
 
-class CausalLM(nn.Module):
+class CausalLM(Module):
     """Base of the family models: subclasses define ``make_attention`` and ``setup_rope``."""
 
     def __init__(self, spec: ModelSpec, layout: WeightLayout, ctx: ParallelContext, kernels):

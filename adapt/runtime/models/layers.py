@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from adapt.errors import CheckpointError
 from adapt.runtime.parallel import ParallelContext
+from adapt.runtime.module import Module
 
 Loader = Callable[[torch.Tensor], None]
 
@@ -51,7 +52,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Module):
+class Linear(Module):
     """A replicated linear (every rank holds all of it): MLA down-projections, routers."""
 
     any_layout = True  # the backend may hold the weight in its own layout (read only through linear())
@@ -73,7 +74,7 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Module):
     """Output features split over tp; several sources (q|k|v, gate|up) may be fused, each given as
     (weight name, bias name or None, this rank's width), and come out in that order. No collective."""
 
@@ -99,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Module):
     """Input features split over tp; partial outputs are summed with an all-reduce, then the bias added."""
 
     any_layout = True  # the backend may hold the weight in its own layout (read only through linear())
@@ -121,7 +122,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Module):
     """Rows [tp_rank * V/tp, (tp_rank + 1) * V/tp) of the embedding; ids outside give 0, summed over tp."""
 
     def __init__(self, name: str, total_vocab: int, hidden: int, ctx: ParallelContext):
@@ -149,7 +150,7 @@ class VocabParallelEmbedding(nn.Module):
         return w.rows(ids) if isinstance(w, nn.Module) else F.embedding(ids, w)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(Module):
     """The vocab slice of lm_head (or of the tied embedding); logits are gathered over tp. A tied head
     reads the embedding's weight, which a backend may hold in its own layout for both."""
 
@@ -169,7 +170,7 @@ class ParallelLMHead(nn.Module):
         return self.ctx.all_gather(linear(x, w), dim=-1, group="tp")
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     """An RMSNorm weight; the computation is the kernel's (``rms_norm`` / ``fused_add_rms_norm``)."""
 
     def __init__(self, name: str, size: int, eps: float, dtype: torch.dtype | None = None):

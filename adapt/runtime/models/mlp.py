@@ -9,9 +9,10 @@ from adapt.runtime.models.batch import ForwardBatch
 from adapt.runtime.models.layers import ColumnParallelLinear, RowParallelLinear
 from adapt.runtime.models.names import LayoutNames
 from adapt.runtime.parallel import ParallelContext
+from adapt.runtime.module import Module
 
 
-class DenseMLP(nn.Module):
+class DenseMLP(Module):
     """down(silu(gate x) * up x); ``kind`` is the layout role prefix: "mlp" or "shared"."""
 
     def __init__(self, n: LayoutNames, i: int, hidden: int, total_intermediate: int, ctx: ParallelContext,

@@ -22,9 +22,10 @@ from adapt.runtime.models.names import LayoutNames
 from adapt.runtime.parallel import ParallelContext
 from adapt.runtime.tactics import TACTICS
 from adapt.spec import ModelSpec
+from adapt.runtime.module import Module
 
 
-class MoE(nn.Module):
+class MoE(Module):
     def __init__(self, spec: ModelSpec, n: LayoutNames, i: int, ctx: ParallelContext):
         super().__init__()
         m, h = spec.moe, spec.hidden_size

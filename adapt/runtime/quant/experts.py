@@ -19,6 +19,7 @@ from adapt.runtime.kernels.activation import silu_and_mul
 from adapt.runtime.kernels.moe_experts import _grouped
 from adapt.runtime.kernels.quant_linear import quant_moe, quant_moe_takes
 from adapt.runtime.quant.weight import QuantizedWeight
+from adapt.runtime.module import Module
 
 # Tokens up to which a call takes the fused decode kernel. It reads each expert's rows QMR at a time from the
 # packed bytes and re-reads an expert's weights once per 4 of its rows; past a decode batch the per-expert
@@ -26,7 +27,7 @@ from adapt.runtime.quant.weight import QuantizedWeight
 DECODE_TOKENS = 16
 
 
-class QuantizedExperts(nn.Module):
+class QuantizedExperts(Module):
     """This rank's experts (global ids ``offset`` ..): gate_up[e] [2I, H] (gate rows, then up rows) and
     down[e] [H, I], each a QuantizedWeight."""
 

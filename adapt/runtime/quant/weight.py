@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from adapt.runtime.kernels.quant_linear import dequantize, quant_linear, quant_linear_ref
+from adapt.runtime.module import Module
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -26,7 +27,7 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     return p
 
 
-class QuantizedWeight(nn.Module):
+class QuantizedWeight(Module):
     """An [N, K] weight held quantized; ``sources``: (checkpoint weight name, first row, rows) of each matrix
     fused into it (q|k|v, gate|up), whose stored tensors the loaders (load.py) copy in; ``act``: how its inputs
     are taken (None as they are, "int8" quantized per row)."""

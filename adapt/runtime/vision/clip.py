@@ -22,9 +22,10 @@ from adapt.errors import ConfigError
 from adapt.runtime.models.layers import ColumnParallelLinear, Linear
 from adapt.runtime.vision.common import LayerNorm, Weight, activation, tower_attention
 from adapt.spec import VisionSpec
+from adapt.runtime.module import Module
 
 
-class ClipLayer(nn.Module):
+class ClipLayer(Module):
     def __init__(self, v: VisionSpec, p: str):
         super().__init__()
         hv = v.hidden_size
@@ -50,7 +51,7 @@ class ClipLayer(nn.Module):
         return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
 
-class ClipVisionTower(nn.Module):
+class ClipVisionTower(Module):
     def __init__(self, v: VisionSpec, prefix: str = "vision_tower."):
         super().__init__()
         self.spec = v
@@ -89,7 +90,7 @@ class ClipVisionTower(nn.Module):
         return x[:, 1:] if self.spec.select_strategy == "default" else x
 
 
-class LlavaProjector(nn.Module):
+class LlavaProjector(Module):
     def __init__(self, v: VisionSpec, text_hidden: int, prefix: str = "multi_modal_projector."):
         super().__init__()
         b = v.projector_bias

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from adapt.errors import UnsupportedModelError
 from adapt.runtime.models.layers import Loader, _param, slot_loader
+from adapt.runtime.module import Module
 
 
-class Weight(nn.Module):
+class Weight(Module):
     """One named checkpoint tensor held as ``self.weight``."""
 
     def __init__(self, name: str, *shape: int):
@@ -23,7 +24,7 @@ class Weight(nn.Module):
         return {self.name: slot_loader(self, "weight", self.name)}
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(Module):
     def __init__(self, prefix: str, size: int, eps: float):
         super().__init__()
         self.prefix, self.eps = prefix, eps

@@ -29,6 +29,7 @@ import torch.nn as nn
 from adapt.runtime.models.layers import ColumnParallelLinear, Linear, RMSNorm
 from adapt.runtime.vision.common import Weight, activation, tower_attention
 from adapt.spec import VisionSpec
+from adapt.runtime.module import Module
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +37,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-class VisionBlock(nn.Module):
+class VisionBlock(Module):
     def __init__(self, v: VisionSpec, p: str):
         super().__init__()
         hv = v.hidden_size
@@ -71,7 +72,7 @@ class VisionBlock(nn.Module):
         return x + self.down(self.act(gate) * up)
 
 
-class QwenVisionTower(nn.Module):
+class QwenVisionTower(Module):
     """The tower and its merger (the projector); ``forward`` returns [U, H] in placeholder order."""
 
     def __init__(self, v: VisionSpec, prefix: str = "visual."):
