@@ -4,9 +4,9 @@ A decode step of a small model is bound by Python as much as by its kernels: the
 weights, int8 activations) makes ~70 module calls and ~250 reads of parameters and submodules a token. Two of
 nn.Module's costs go:
 
-- ``m(x)`` is ``m.forward(x)``: nn.Module.__call__'s hook dispatch is left out. The runtime registers no hooks on
-  its layers (validate hooks transformers' modules), and asking for one on these raises, so a hook is never
-  silently skipped.
+- ``m(x)`` is ``type(m).forward(m, x)``: nn.Module.__call__'s hook dispatch is left out. The runtime registers no
+  hooks on its layers (validate hooks transformers' modules), and asking for one on these raises, so a hook is
+  never silently skipped; so does assigning an instance ``forward`` (another class does it: distributed/moe.py).
 - ``freeze()`` (ModelRunner, once the weights are loaded and packed) copies each module's parameters, buffers and
   submodules into its instance ``__dict__``, where attribute lookup finds them before nn.Module.__getattr__.
   Assigning, deleting, registering and ``_apply`` (``.to()``, ``.float()``) keep the copies in step (a module
@@ -70,6 +70,9 @@ class Module(nn.Module):
                 return
 
     def __setattr__(self, name, value) -> None:
+        if name == "forward":
+            raise TypeError(f"{type(self).__name__}: a runtime layer runs its class's forward (adapt/runtime/module.py); "
+                            "give it another class (as runtime/distributed/moe.py does) instead of an instance forward")
         frozen = self.__dict__.get("_frozen", False)
         if frozen and any(name in self.__dict__[s] for s in _STORES):
             self.__dict__.pop(name, None)  # let nn.Module see the registered name, as before the freeze

@@ -49,6 +49,8 @@ def test_call_is_forward_and_hooks_refused():
     for reg in (t.a.register_forward_hook, t.a.register_forward_pre_hook, t.register_full_backward_hook):
         with pytest.raises(TypeError, match="without nn.Module's hooks"):
             reg(lambda *a: None)
+    with pytest.raises(TypeError, match="runs its class's forward"):
+        t.a.forward = lambda x: x
 
 
 def test_freeze_copies_and_keeps_in_step():

@@ -9,37 +9,34 @@ expert (stage-local ranks ``s`` with ``s % ep == expert // (E/ep)``); they retur
 expert outputs on the same rows; the source weights and sums them. One tp all-reduce then reassembles
 the replica's tokens and adds the shared expert's row-parallel partial. ``install`` puts this forward
 on every MoE layer of a model built for a context whose stage spans more than its tp group
-(ep > 1 or dp > 1). With tensor-parallel experts only (ep = dp = 1, tp > 1) and a shared expert,
+(ep > 1 or dp > 1), by making the layer an ``ExpertParallelMoE`` (runtime modules call their class's
+forward: adapt/runtime/module.py). With tensor-parallel experts only (ep = dp = 1, tp > 1) and a shared expert,
 ``tp_forward`` sums the routed and shared partial outputs before one tp all-reduce (the planner's one
 all-reduce per MoE layer) instead of one each. Otherwise the model's own MoE forward stays.
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from adapt.runtime.models.layers import linear
+from adapt.runtime.models.moe import MoE
 
 from .context import DistributedContext
 
 
 def install(model: torch.nn.Module, ctx: DistributedContext) -> int:
     """Route every MoE layer of ``model`` through all-to-all dispatch; returns how many were patched."""
-    from adapt.runtime.models.moe import MoE
-
     if ctx.plan is None or ctx.world_size == 1:
         return 0
     n = 0
     for m in model.modules():
-        if not isinstance(m, MoE):
+        if type(m) is not MoE:
             continue
         if ctx.ep_size > 1 or ctx.dp_size > 1:
-            m.forward = types.MethodType(ep_forward, m)
-            m.idle = types.MethodType(ep_idle, m)
+            m.__class__ = ExpertParallelMoE
         elif ctx.tp_size > 1 and m.shared is not None and m.split:
-            m.forward = types.MethodType(tp_forward, m)
+            m.__class__ = TensorParallelMoE
         else:
             continue
         n += 1
@@ -140,3 +137,16 @@ def ep_forward(self, x: torch.Tensor, batch) -> torch.Tensor:
             out = out + shared
         out = ctx.all_reduce(out, "tp")
     return _shared_bias(self, x, out)
+
+
+class TensorParallelMoE(MoE):
+    """A MoE layer whose routed and shared experts are split over tp only: one all-reduce (tp_forward)."""
+
+    forward = tp_forward
+
+
+class ExpertParallelMoE(MoE):
+    """A MoE layer whose stage spans more than its tp group: all-to-all dispatch (ep_forward, ep_idle)."""
+
+    forward = ep_forward
+    idle = ep_idle
