@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adapt.errors import RuntimeConfigError
+from adapt.runtime.kernels import fused
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingParams", "make_generator", "sample"]
 
@@ -136,8 +137,7 @@ def sample(
         if histories is None or len(histories) != len(params):
             raise RuntimeConfigError("penalties and logit_bias need each row's (prompt, output) token ids")
         logits = _penalized(logits, params, histories)
-    # max(dim) returns the first maximal index like argmax, and is ~3x faster on CPU (torch 2.13)
-    token_ids = logits.max(dim=-1).indices  # [B]; greedy ties go to the lowest id
+    token_ids = _argmax(logits)  # [B]; greedy ties go to the lowest id
 
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -160,6 +160,18 @@ def sample(
         if p.logprobs == 0:
             top[i] = []
     return SampleOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximal index of each row of logits [B, V] float32 (a row's first NaN where it has one).
+    The fused CPU kernel is one vectorized pass; torch's reduction over the last dim runs scalar on CPU
+    (2-core Xeon, [16, 32000]: about 120 us). max(dim) is the torch form: the same indices as argmax, and
+    ~3x faster than it on CPU (torch 2.13)."""
+    ext = fused.module()
+    if (ext is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[0]
+            and logits.shape[1] and not logits.requires_grad):
+        return ext.argmax_rows(logits.contiguous())
+    return logits.max(dim=-1).indices
 
 
 def _sample_rows(

@@ -221,6 +221,32 @@ def test_scalar_builds_leave_silu_and_rope_to_torch(uninstalled):
     assert torch.equal(apply_rope(q, c, c), want)
 
 
+@pytest.mark.skipif(not CAN_BUILD, reason="needs Linux, a C++ compiler and ninja")
+@pytest.mark.parametrize("V", [1, 7, 16, 33, 32000])
+def test_fused_argmax_equals_torch_max_indices(V):
+    # greedy sampling's argmax: the first maximal index, the first NaN's in a row holding one, -inf rows
+    from adapt.runtime.sampling import _argmax
+
+    assert cpu_kernels.load() is not None
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(9, V, generator=g)
+    x[1] = float("-inf")
+    x[2, V // 2] = float("nan")
+    x[3, -1] = float("nan")
+    x[3, V // 3] = float("nan")
+    x[4] = x[4].round()  # ties: the lowest index wins
+    x[5, 0] = float("nan")
+    x[6] = 0.0
+    x[6, V - 1] = -0.0
+    x[7, -1] = float("inf")
+    got = _argmax(x)
+    with fused.disabled():
+        want = _argmax(x)
+    assert torch.equal(got, want) and torch.equal(want, x.argmax(-1))
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        fused.module().argmax_rows(x.double())
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not CAN_BUILD or platform.machine() != "x86_64", reason="needs x86-64 Linux, a C++ compiler, ninja")
 @pytest.mark.parametrize("isa,flags", [("avx2", "-mno-avx512f"), ("none", "-mno-avx512f -mno-avx2 -mno-fma"),

@@ -18,7 +18,7 @@ A sliding window W hides keys j < seq_len - W (the new token at seq_len - 1 sees
 itself included); chunks before every sequence's window are not read.
 """
 
-from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -26,30 +26,45 @@ from . import fused
 from .rows import take_rows as _take_rows
 
 
-@dataclass(frozen=True)
 class DecodeMeta:
-    """What every layer's decode attention of one step shares, computed once (``decode_meta``)."""
+    """What every layer's decode attention of one step shares (``decode_meta``), each part computed the
+    first time a layer reads it: the fused CPU kernel reads none of them, the torch form all."""
 
-    seq_lens: torch.Tensor  # [B] int64
-    num_blocks: int  # blocks of the longest sequence
-    blocks: torch.Tensor | None  # [B * num_blocks] int64 block ids (single-chunk steps), else None
-    masked: torch.Tensor | None  # [B, num_blocks * BS] True past each sequence's end (single chunk)
-    any_empty: bool  # some sequence has no key
-    cache: dict = field(default_factory=dict)  # per (Hq, Hkv): the stacked-heads bias of this step
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, blocks_per_step: int):
+        self.seq_lens = seq_lens.to(torch.long)  # [B] int64
+        self._tables, self._bs, self._per = block_tables, block_size, blocks_per_step
+        self.cache: dict = {}  # per (Hq, Hkv[, window]): the stacked-heads bias / window mask of this step
+
+    @cached_property
+    def num_blocks(self) -> int:
+        """Blocks of the longest sequence."""
+        b = self.seq_lens.shape[0]
+        return (int(self.seq_lens.max()) + self._bs - 1) // self._bs if b > 0 else 0
+
+    @cached_property
+    def blocks(self) -> torch.Tensor | None:
+        """[B * num_blocks] int64 block ids when the step is one chunk (num_blocks <= blocks_per_step), else None."""
+        n = self.num_blocks
+        return self._tables[:, :n].reshape(-1).to(torch.long).clamp(min=0) if 0 < n <= self._per else None
+
+    @cached_property
+    def masked(self) -> torch.Tensor | None:
+        """[B, num_blocks * BS] True past each sequence's end (one-chunk steps), else None."""
+        if self.blocks is None:
+            return None
+        pos = torch.arange(self.num_blocks * self._bs, device=self.seq_lens.device)
+        return pos[None, :] >= self.seq_lens[:, None]
+
+    @cached_property
+    def any_empty(self) -> bool:
+        """Some sequence has no key."""
+        return bool((self.seq_lens == 0).any()) if self.seq_lens.shape[0] > 0 else False
 
 
 def decode_meta(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                 blocks_per_step: int = 16) -> DecodeMeta:
     """The per-step part of paged_decode_attention, to pass as ``meta`` to every layer of the step."""
-    seq_lens = seq_lens.to(torch.long)
-    b = seq_lens.shape[0]
-    max_len = int(seq_lens.max()) if b > 0 else 0
-    num_blocks = (max_len + block_size - 1) // block_size
-    blocks = masked = None
-    if 0 < num_blocks <= blocks_per_step:
-        blocks = block_tables[:, :num_blocks].reshape(-1).to(torch.long).clamp(min=0)
-        masked = torch.arange(num_blocks * block_size, device=seq_lens.device)[None, :] >= seq_lens[:, None]
-    return DecodeMeta(seq_lens, num_blocks, blocks, masked, bool((seq_lens == 0).any()) if b > 0 else False)
+    return DecodeMeta(block_tables, seq_lens, block_size, blocks_per_step)
 
 
 def paged_decode_attention(

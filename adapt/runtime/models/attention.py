@@ -18,7 +18,10 @@ from adapt.runtime.models.layers import ColumnParallelLinear, Linear, RMSNorm, R
 from adapt.runtime.models.names import LayoutNames
 from adapt.runtime.parallel import ParallelContext
 from adapt.spec import ModelSpec, RopeSpec
+from adapt.runtime.kernels import fused, kv_write, norm, rope
 from adapt.runtime.module import Module
+
+_JOINED = (torch.float32, torch.bfloat16)  # the dtypes of the fused qk_norm_rope
 
 
 def rope_scaling(rope: RopeSpec, max_position_embeddings: int) -> dict:
@@ -74,26 +77,62 @@ class GQAAttention(Module):
         self.window = a.window_of(i)  # sliding window of this layer, None for full attention
         self.rotary: Rotary | None = None  # set by the model (shared by every layer)
 
+    def _joined(self, k_, qkv: torch.Tensor, cos: torch.Tensor, cache):
+        """The fused C++ qk_norm_rope when it computes exactly what this layer's kernels would: they are the
+        fused forms of rms_norm, apply_rope and write_kv_cache that it joins (kernels/norm.py, rope.py,
+        kv_write.py, whose row functions it runs in the same order) and every tensor is one they take;
+        else None."""
+        ext = fused.vectorized()
+        if (ext is None or k_.apply_rope is not rope.apply_rope or self.rotary.layout != "rotate_half"
+                or qkv.device.type != "cpu" or qkv.dtype not in _JOINED or qkv.requires_grad or not qkv.shape[0]
+                or qkv.stride(1) != 1 or cos.dtype != qkv.dtype or cos.shape[-1] != self.head_dim):
+            return None
+        qn, kn = self.q_norm, self.k_norm
+        if qn is not None and (k_.rms_norm is not norm.rms_norm or qn.eps != kn.eps
+                               or qn.weight.dtype != qkv.dtype or kn.weight.dtype != qkv.dtype
+                               or qn.weight.requires_grad or kn.weight.requires_grad):
+            return None
+        if cache is not None and (k_.write_kv_cache is not kv_write.write_kv_cache or cache.k_scale is not None
+                                  or cache.k.dtype != qkv.dtype or cache.v.dtype != qkv.dtype
+                                  or cache.k.stride(-1) != 1 or cache.v.stride(-1) != 1):
+            return None
+        return ext
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         k_ = batch.kernels
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-        v = qkv[:, (h + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
         cos, sin = self.rotary.cos_sin(batch, qkv.dtype)
-        if self.q_norm is None:  # q and k are adjacent columns: rotate them as one [T, H + Hkv, D] tensor
-            qk = k_.apply_rope(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), cos, sin, self.rotary.layout)
-            q, k = qk.split([h, hkv], dim=1)  # [T, H, D], [T, Hkv, D]
-        else:
-            q = k_.rms_norm(qkv[:, : h * d].view(t, h, d), self.q_norm.weight, self.q_norm.eps)
-            k = k_.rms_norm(qkv[:, h * d: (h + hkv) * d].view(t, hkv, d), self.k_norm.weight, self.k_norm.eps)
-            q = k_.apply_rope(q, cos, sin, self.rotary.layout)
-            k = k_.apply_rope(k, cos, sin, self.rotary.layout)
         cache = batch.kv[layer] if batch.kv is not None else None
-        if cache is not None and batch.slot_mapping is not None:
-            k_.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale,
-                              checked=batch.slots_checked())
+        slots = batch.slot_mapping if cache is not None else None
+        if slots is not None and slots.dtype != torch.long:
+            slots = slots.long()
+        ext = self._joined(k_, qkv, cos, cache if slots is not None else None)
+        v = None
+        if ext is not None:  # norms, rope and the cache write in one call
+            qn, kn = self.q_norm, self.k_norm
+            w = slots is not None
+            q, k = ext.qk_norm_rope(qkv, h, hkv, qn.weight if qn is not None else None,
+                                    kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0, cos,
+                                    sin, cache.k if w else None, cache.v if w else None,
+                                    slots.contiguous() if w else None)
+        else:
+            v = qkv[:, (h + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
+            if self.q_norm is None:  # q and k are adjacent columns: rotate them as one [T, H + Hkv, D] tensor
+                qk = k_.apply_rope(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), cos, sin, self.rotary.layout)
+                q, k = qk.split([h, hkv], dim=1)  # [T, H, D], [T, Hkv, D]
+            else:
+                q = k_.rms_norm(qkv[:, : h * d].view(t, h, d), self.q_norm.weight, self.q_norm.eps)
+                k = k_.rms_norm(qkv[:, h * d: (h + hkv) * d].view(t, hkv, d), self.k_norm.weight, self.k_norm.eps)
+                q = k_.apply_rope(q, cos, sin, self.rotary.layout)
+                k = k_.apply_rope(k, cos, sin, self.rotary.layout)
+            if slots is not None:
+                k_.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale,
+                                  checked=batch.slots_checked())
         if batch.is_prefill:
+            if v is None:
+                v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
             qt, kt = batch.attn_tiles
             cu_k = None
             if batch.context_slots is not None:  # keys of the cached prefix too, read back from the cache

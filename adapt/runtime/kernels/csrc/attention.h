@@ -1,7 +1,8 @@
-// Paged decode attention and the paged KV-cache write.
+// Paged decode attention, the paged KV-cache write, and GQA's q / k norm + rope + cache write in one call.
 #pragma once
 
 #include "common.h"
+#include "elementwise.h"
 
 namespace adapt_cpu {
 
@@ -192,6 +193,83 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     write_rows<T>(k.data_ptr<T>(), k.stride(0), k.stride(1), k_cache.data_ptr<T>(), ks, BS, k.size(1), k.size(2), sp, n);
     write_rows<T>(v.data_ptr<T>(), v.stride(0), v.stride(1), v_cache.data_ptr<T>(), vs, BS, v.size(1), v.size(2), sp, n);
   });
+}
+
+
+// ---------------------------------------------------------------------------------------------------
+// GQA's step between the qkv projection and attention, in one call: of qkv [T, (H + 2 Hkv) D] (rows
+// contiguous), q = rope(rms_norm(q_raw, qw)) [T, H, D] and k = rope(rms_norm(k_raw, kw)) [T, Hkv, D]
+// (each norm only when its weight is given; rotate_half rope over the whole head by cos / sin [T, D]),
+// then k and v written to slots [T] of k_cache / v_cache [NB, BS, Hkv, D] when the caches are given
+// (negative slots skipped). Each step is the row function of rms_norm, rope_rotate_half and write_kv, in
+// their order, so the results equal those three calls bitwise.
+std::vector<torch::Tensor> qk_norm_rope(torch::Tensor qkv, int64_t H, int64_t Hkv, c10::optional<torch::Tensor> qw,
+                                        c10::optional<torch::Tensor> kw, double eps, torch::Tensor cos,
+                                        torch::Tensor sin, c10::optional<torch::Tensor> k_cache,
+                                        c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slots) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && H > 0 && Hkv > 0 && qkv.size(1) % (H + 2 * Hkv) == 0,
+              "qk_norm_rope: qkv [T, (H + 2 Hkv) D] with unit last stride");
+  const int64_t T_ = qkv.size(0), D = qkv.size(1) / (H + 2 * Hkv), half = D / 2, W = qkv.stride(0);
+  TORCH_CHECK(D % 2 == 0, "qk_norm_rope: even head_dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type() && cos.dim() == 2 && cos.size(0) == T_ &&
+                  cos.size(1) == D && sin.sizes() == cos.sizes(), "qk_norm_rope: cos / sin [T, D] of qkv's dtype");
+  for (const auto* w : {&qw, &kw})
+    TORCH_CHECK(!w->has_value() || ((*w)->is_contiguous() && (*w)->scalar_type() == qkv.scalar_type() &&
+                                    (*w)->numel() == D), "qk_norm_rope: norm weights [D] of qkv's dtype");
+  const bool write = k_cache.has_value();
+  TORCH_CHECK(write == v_cache.has_value() && write == slots.has_value(),
+              "qk_norm_rope: k_cache, v_cache and slots come together");
+  if (write)
+    TORCH_CHECK(k_cache->dim() == 4 && v_cache->dim() == 4 && k_cache->stride(3) == 1 && v_cache->stride(3) == 1 &&
+                    k_cache->scalar_type() == qkv.scalar_type() && v_cache->scalar_type() == qkv.scalar_type() &&
+                    k_cache->size(2) == Hkv && v_cache->size(2) == Hkv && k_cache->size(3) == D &&
+                    v_cache->size(3) == D && slots->scalar_type() == at::kLong && slots->is_contiguous() &&
+                    slots->numel() == T_,
+                "qk_norm_rope: caches [NB, BS, Hkv, D] of qkv's dtype and int64 slots [T]");
+  auto q = torch::empty({T_, H, D}, qkv.options()), k = torch::empty({T_, Hkv, D}, qkv.options());
+  if (write) {
+    const int64_t cap = k_cache->size(0) * k_cache->size(1);
+    const int64_t* sp = slots->data_ptr<int64_t>();
+    for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(sp[t] < cap, "qk_norm_rope: slot ", sp[t], " outside the cache");
+  }
+  float_or_bf16(qkv, "qk_norm_rope", [&](auto t) {
+    using T = decltype(t);
+    const T* xp = qkv.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    const T* qwp = qw.has_value() ? qw->data_ptr<T>() : nullptr;
+    const T* kwp = kw.has_value() ? kw->data_ptr<T>() : nullptr;
+    T* qp = q.data_ptr<T>();
+    T* kp = k.data_ptr<T>();
+    const int64_t R = H + Hkv;  // q and k heads of a token
+    at::parallel_for(0, T_ * R, grain(4 * D), [&](int64_t r0, int64_t r1) {
+      std::vector<float> h(D);
+      std::vector<T> normed(D);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t tok = r / R, hd = r % R;
+        const bool is_q = hd < H;
+        const T* w = is_q ? qwp : kwp;
+        const T* src = xp + tok * W + hd * D;
+        T* o = is_q ? qp + (tok * H + hd) * D : kp + (tok * Hkv + hd - H) * D;
+        if (w) {
+          row_to_f32(src, h.data(), D);
+          norm_row(h.data(), w, normed.data(), D, static_cast<float>(eps));
+          src = normed.data();
+        }
+        rope_row(src, cp + tok * D, sp + tok * D, o, half);
+      }
+    });
+    if (write) {
+      const int64_t BS = k_cache->size(1);
+      std::array<int64_t, 3> ks{k_cache->stride(0), k_cache->stride(1), k_cache->stride(2)};
+      std::array<int64_t, 3> vs{v_cache->stride(0), v_cache->stride(1), v_cache->stride(2)};
+      const int64_t* sl = slots->data_ptr<int64_t>();
+      write_rows<T>(kp, Hkv * D, D, k_cache->data_ptr<T>(), ks, BS, Hkv, D, sl, T_);
+      write_rows<T>(xp + R * D, W, D, v_cache->data_ptr<T>(), vs, BS, Hkv, D, sl, T_);
+    }
+  });
+  return {q, k};
 }
 
 

@@ -37,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("C") = 0);
   m.def("rope_rotate_half", &rope_rotate_half);
   m.def("write_kv", &write_kv);
+  m.def("qk_norm_rope", &qk_norm_rope);
+  m.def("argmax_rows", &argmax_rows);
   m.def("moe_pad_gather", &moe_pad_gather);
   m.def("moe_combine", &moe_combine);
   m.def("topk_rows", &topk_rows);

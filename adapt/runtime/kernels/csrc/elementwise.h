@@ -6,6 +6,35 @@
 namespace adapt_cpu {
 
 // ---------------------------------------------------------------------------------------------------
+// One normalized row: o = w * T(h * inv) with inv = 1 / sqrt(mean(h^2) + eps), h the row in float32.
+template <typename T>
+inline void norm_row(const float* h, const T* w, T* o, int64_t H, float eps) {
+  float part[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= H; i += 16)  // 16 independent partial sums: vectorizes without reassociation
+    for (int l = 0; l < 16; ++l) part[l] += h[i + l] * h[i + l];
+  float ss = 0.f;
+  for (int l = 0; l < 16; ++l) ss += part[l];
+  for (; i < H; ++i) ss += h[i] * h[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  int64_t k = 0;
+#ifdef ADAPT_VW
+  const vf vinv = vset1(inv);
+  for (; k + VW <= H; k += VW) vstore(o + k, vmul(vload(w + k), vrnd<T>(vmul(vloadu(h + k), vinv))));
+#endif
+  for (; k < H; ++k) o[k] = from_f32<T>(f32(w[k]) * rnd<T>(h[k] * inv));
+}
+
+// a row of T as float32 into h [n]
+template <typename T>
+inline void row_to_f32(const T* x, float* h, int64_t n) {
+  int64_t i = 0;
+#ifdef ADAPT_VW
+  for (; i + VW <= n; i += VW) vstoreu(h + i, vload(x + i));
+#endif
+  for (; i < n; ++i) h[i] = f32(x[i]);
+}
+
 // RMSNorm (transformers' LlamaRMSNorm): h = float(x); h *= 1 / sqrt(mean(h^2) + eps); out = w * T(h).
 // With a residual: x = T(x + residual) first, and that sum is returned too.
 template <typename T>
@@ -30,28 +59,9 @@ void norm_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t
           h[i] = f32(nr[i]);
         }
       } else {
-        int64_t i = 0;
-#ifdef ADAPT_VW
-        for (; i + VW <= H; i += VW) vstoreu(h.data() + i, vload(xr + i));
-#endif
-        for (; i < H; ++i) h[i] = f32(xr[i]);
+        row_to_f32(xr, h.data(), H);
       }
-      float part[16] = {0.f};
-      int64_t i = 0;
-      for (; i + 16 <= H; i += 16)  // 16 independent partial sums: vectorizes without reassociation
-        for (int l = 0; l < 16; ++l) part[l] += h[i + l] * h[i + l];
-      float ss = 0.f;
-      for (int l = 0; l < 16; ++l) ss += part[l];
-      for (; i < H; ++i) ss += h[i] * h[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-      T* o = out + r * H;
-      int64_t k = 0;
-#ifdef ADAPT_VW
-      const vf vinv = vset1(inv);
-      for (; k + VW <= H; k += VW)
-        vstore(o + k, vmul(vload(w + k), vrnd<T>(vmul(vloadu(h.data() + k), vinv))));
-#endif
-      for (; k < H; ++k) o[k] = from_f32<T>(f32(w[k]) * rnd<T>(h[k] * inv));
+      norm_row(h.data(), w, out + r * H, H, eps);
     }
   });
 }
@@ -137,6 +147,26 @@ torch::Tensor silu_and_mul(torch::Tensor x, c10::optional<torch::Tensor> counts,
 }
 
 // ---------------------------------------------------------------------------------------------------
+// One rotate_half RoPE row of x [2 half] by cos / sin [2 half]:
+// o = T(T(x * cos) + T(rotate_half(x) * sin)), as torch's three ops round.
+template <typename T>
+inline void rope_row(const T* xr, const T* c, const T* s, T* o, int64_t half) {
+  int64_t i = 0;
+#ifdef ADAPT_VW
+  for (; i + VW <= half; i += VW) {
+    const vf x1 = vload(xr + i), x2 = vload(xr + i + half);
+    const vf nx2 = vsub(vzero(), x2);
+    vstore(o + i, vadd(vrnd<T>(vmul(x1, vload(c + i))), vrnd<T>(vmul(nx2, vload(s + i)))));
+    vstore(o + i + half, vadd(vrnd<T>(vmul(x2, vload(c + i + half))), vrnd<T>(vmul(x1, vload(s + i + half)))));
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = f32(xr[i]), x2 = f32(xr[i + half]);
+    o[i] = from_f32<T>(rnd<T>(x1 * f32(c[i])) + rnd<T>(-x2 * f32(s[i])));
+    o[i + half] = from_f32<T>(rnd<T>(x2 * f32(c[i + half])) + rnd<T>(x1 * f32(s[i + half])));
+  }
+}
+
 // rotate_half RoPE of x [T, H, D] (any row strides, unit last stride) by cos / sin [T, D]:
 // out = T(T(x * cos) + T(rotate_half(x) * sin)), as torch's three ops round; out is contiguous.
 torch::Tensor rope_rotate_half(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
@@ -160,24 +190,50 @@ torch::Tensor rope_rotate_half(torch::Tensor x, torch::Tensor cos, torch::Tensor
         const T* c = cp + tok * D;
         const T* s = sp + tok * D;
         T* o = op + r * D;
-        int64_t i = 0;
-#ifdef ADAPT_VW
-        for (; i + VW <= half; i += VW) {
-          const vf x1 = vload(xr + i), x2 = vload(xr + i + half);
-          const vf nx2 = vsub(vzero(), x2);
-          vstore(o + i, vadd(vrnd<T>(vmul(x1, vload(c + i))),
-                                       vrnd<T>(vmul(nx2, vload(s + i)))));
-          vstore(o + i + half, vadd(vrnd<T>(vmul(x2, vload(c + i + half))),
-                                              vrnd<T>(vmul(x1, vload(s + i + half)))));
-        }
-#endif
-        for (; i < half; ++i) {
-          const float x1 = f32(xr[i]), x2 = f32(xr[i + half]);
-          o[i] = from_f32<T>(rnd<T>(x1 * f32(c[i])) + rnd<T>(-x2 * f32(s[i])));
-          o[i + half] = from_f32<T>(rnd<T>(x2 * f32(c[i + half])) + rnd<T>(x1 * f32(s[i + half])));
-        }
+        rope_row(xr, c, s, o, half);
       }
     });
+  });
+  return out;
+}
+
+
+// ---------------------------------------------------------------------------------------------------
+// The index of each row's maximum of x [B, V] float32, as torch.max(dim=-1).indices: the first maximal
+// index, and the first NaN's where a row has one. One pass for the maximum (16 partial maxima, a NaN flag),
+// a second that stops at its first occurrence.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "argmax_rows: contiguous float32 x [B, V] with V > 0");
+  const int64_t B = x.size(0), V = x.size(1);
+  auto out = torch::empty({B}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, grain(V), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xp + r * V;
+      float part[16];
+      int nan[16];
+      for (int l = 0; l < 16; ++l) part[l] = row[0], nan[l] = 0;
+      int64_t i = 0;
+      for (; i + 16 <= V; i += 16)
+        for (int l = 0; l < 16; ++l) {
+          const float v = row[i + l];
+          part[l] = part[l] < v ? v : part[l];
+          nan[l] |= v != v;
+        }
+      float m = part[0];
+      int any = 0;
+      for (int l = 0; l < 16; ++l) m = m < part[l] ? part[l] : m, any |= nan[l];
+      for (; i < V; ++i) m = m < row[i] ? row[i] : m, any |= row[i] != row[i];
+      int64_t j = 0;
+      if (any) {
+        while (row[j] == row[j]) ++j;
+      } else {
+        while (row[j] != m) ++j;
+      }
+      op[r] = j;
+    }
   });
   return out;
 }
