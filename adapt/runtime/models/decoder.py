@@ -52,13 +52,17 @@ class DecoderLayer(Module):
             residual, h = x, k.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
         else:
             h, residual = k.fused_add_rms_norm(x, residual, self.input_norm.weight, self.input_norm.eps)
-        batch.record(f"layers.{i}.input_norm", h)
+        capture = batch.capture is not None  # the names are formatted only when hidden states are taken
+        if capture:
+            batch.record(f"layers.{i}.input_norm", h)
         a = self.attn(h, batch, i)
-        batch.record(f"layers.{i}.attn", a)
+        if capture:
+            batch.record(f"layers.{i}.attn", a)
         h, residual = k.fused_add_rms_norm(a, residual, self.post_attn_norm.weight, self.post_attn_norm.eps)
-        batch.record(f"layers.{i}.post_attn_norm", h)
+        if capture:
+            batch.record(f"layers.{i}.post_attn_norm", h)
         m = self.mlp(h, batch)
-        if batch.capture is not None:
+        if capture:
             batch.record(f"layers.{i}.mlp", m)
             batch.record(f"layers.{i}", residual + m)
         return m, residual

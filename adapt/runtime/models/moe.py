@@ -99,7 +99,8 @@ class MoE(Module):
         if not self.deepseek:  # softmax top-k: one fused call where the backend prepared the router
             logits, weights, ids = k.router_softmax_topk(x, self.gate.weight, self.prepared_router, m.top_k,
                                                          m.norm_topk_prob)
-            batch.record(f"layers.{self.layer}.router_logits", logits)
+            if batch.capture is not None:
+                batch.record(f"layers.{self.layer}.router_logits", logits)
             return weights, ids
         logits = k.router_logits(x, self.gate.weight, True)  # [T, E_total]
         batch.record(f"layers.{self.layer}.router_logits", logits)

@@ -7,7 +7,7 @@ import pytest
 import adapt.runtime.kernels as kernels_pkg
 from adapt.runtime.kernels import IMPLS, get_kernels
 
-ALLOWED_IMPORTS = {"torch", "math", "typing", "collections", "dataclasses", "__future__"}  # __future__: a compiler directive
+ALLOWED_IMPORTS = {"torch", "math", "typing", "collections", "dataclasses", "functools", "__future__"}  # __future__: a compiler directive
 
 
 def test_get_kernels_both_impls():
